@@ -1,0 +1,12 @@
+//! gpumem: share GPUs in Kubernetes by memory.
+//!
+//! One module per concern (see docs/architecture.md):
+//! - [`gpu`]: what GPUs the node has and how they are wired (NVML, or a simulated profile);
+//! - [`plugin`]: the kubelet's Device Plugin and PodResources APIs;
+//! - [`node`]: the labels and annotations the agent publishes on its Node;
+//! - [`inspect`]: `gpumem inspect`, a human view of all of the above.
+
+pub mod gpu;
+pub mod inspect;
+pub mod node;
+pub mod plugin;

@@ -1,0 +1,37 @@
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use tracing_subscriber::EnvFilter;
+
+/// Share GPUs in Kubernetes by memory.
+#[derive(Parser)]
+#[command(name = "gpumem", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Show what the agent sees on this node: GPUs, topology, labels and resources it would publish.
+    Inspect(gpumem::inspect::InspectArgs),
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")))
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Inspect(args) => gpumem::inspect::run(&args),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            // One line a user can act on; the chain of causes is joined, not dumped as a backtrace.
+            eprintln!("error: {err:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

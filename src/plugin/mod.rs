@@ -1,0 +1,3 @@
+//! The kubelet's APIs: Device Plugin v1beta1 (we serve it) and PodResources v1 (we read it).
+
+pub mod proto;
