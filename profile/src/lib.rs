@@ -222,7 +222,7 @@ impl Profile {
     }
 
     fn nvswitch_chips(&self) -> u32 {
-        if self.nvswitch_links % 6 == 0 { 6 } else { 4 }
+        if self.nvswitch_links.is_multiple_of(6) { 6 } else { 4 }
     }
 
     /// The GPU with this bus id, if any (case-insensitive, with or without the 8-digit domain).
@@ -315,8 +315,15 @@ impl RawProfile {
         for (i, raw) in self.gpus.iter().enumerate() {
             let index = i as u32;
             let field = |name: &str| format!("gpus[{i}]: no {name} here and none under [gpu]");
-            let product = raw.product.clone().or(self.gpu.product.clone()).ok_or_else(|| field("product"))?;
-            let memory_mib = raw.memory_mib.or(self.gpu.memory_mib).ok_or_else(|| field("memory_mib"))?;
+            let product = raw
+                .product
+                .clone()
+                .or(self.gpu.product.clone())
+                .ok_or_else(|| field("product"))?;
+            let memory_mib = raw
+                .memory_mib
+                .or(self.gpu.memory_mib)
+                .ok_or_else(|| field("memory_mib"))?;
             if memory_mib == 0 {
                 return Err(format!("gpus[{i}]: memory_mib must be positive"));
             }
@@ -334,7 +341,10 @@ impl RawProfile {
             };
             gpus.push(GpuSpec {
                 index,
-                uuid: raw.uuid.clone().unwrap_or_else(|| derived_uuid(&self.name, index)),
+                uuid: raw
+                    .uuid
+                    .clone()
+                    .unwrap_or_else(|| derived_uuid(&self.name, index)),
                 minor_number: raw.minor_number.unwrap_or(index),
                 product,
                 memory_mib,
@@ -369,7 +379,9 @@ impl RawProfile {
             *per_gpu.entry(b).or_default() += links;
         }
         if let Some((gpu, links)) = per_gpu.into_iter().find(|&(_, l)| l > MAX_NVLINKS) {
-            return Err(format!("GPU {gpu} has {links} NVLink links; NVML reports at most {MAX_NVLINKS}"));
+            return Err(format!(
+                "GPU {gpu} has {links} NVLink links; NVML reports at most {MAX_NVLINKS}"
+            ));
         }
         Ok(Profile {
             name: self.name,
@@ -407,10 +419,20 @@ fn derived_uuid(profile: &str, index: u32) -> String {
         }
         h
     }
-    let hi = fnv1a(fnv1a(0xcbf2_9ce4_8422_2325, profile.as_bytes()), &index.to_le_bytes());
+    let hi = fnv1a(
+        fnv1a(0xcbf2_9ce4_8422_2325, profile.as_bytes()),
+        &index.to_le_bytes(),
+    );
     let lo = fnv1a(hi, b"gpumem");
     let hex = format!("{hi:016x}{lo:016x}");
-    format!("GPU-{}-{}-{}-{}-{}", &hex[0..8], &hex[8..12], &hex[12..16], &hex[16..20], &hex[20..32])
+    format!(
+        "GPU-{}-{}-{}-{}-{}",
+        &hex[0..8],
+        &hex[8..12],
+        &hex[12..16],
+        &hex[16..20],
+        &hex[20..32]
+    )
 }
 
 #[cfg(test)]
@@ -436,7 +458,11 @@ mod tests {
         assert_eq!(p.topology_level(0, 7), TopologyLevel::System);
         let links = p.nvlinks(3);
         assert_eq!(links.len(), 12);
-        assert!(links.iter().all(|l| l.remote_is_switch && p.gpu_by_bus_id(&l.remote_bus_id).is_none()));
+        assert!(
+            links
+                .iter()
+                .all(|l| l.remote_is_switch && p.gpu_by_bus_id(&l.remote_bus_id).is_none())
+        );
     }
 
     #[test]
@@ -461,7 +487,10 @@ mod tests {
 
     #[test]
     fn bus_ids_are_normalized() {
-        assert_eq!(normalize_bus_id("0000:3b:00.0").as_deref(), Some("00000000:3B:00.0"));
+        assert_eq!(
+            normalize_bus_id("0000:3b:00.0").as_deref(),
+            Some("00000000:3B:00.0")
+        );
         assert_eq!(normalize_bus_id("3b:00.0").as_deref(), Some("00000000:3B:00.0"));
         assert_eq!(normalize_bus_id("zz:00.0"), None);
         assert_eq!(normalize_bus_id("00:20.0"), None);
@@ -478,6 +507,9 @@ mod tests {
         let err = Profile::parse(bad_pair, "inline").unwrap_err().to_string();
         assert!(err.contains("two different GPUs"), "{err}");
         let typo = "name='x'\ndriver_version='1'\ncuda_version='12.0'\nnvlnk=1\n[[gpus]]\n";
-        assert!(matches!(Profile::parse(typo, "inline"), Err(ProfileError::Parse { .. })));
+        assert!(matches!(
+            Profile::parse(typo, "inline"),
+            Err(ProfileError::Parse { .. })
+        ));
     }
 }

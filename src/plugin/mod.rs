@@ -1,3 +1,4 @@
 //! The kubelet's APIs: Device Plugin v1beta1 (we serve it) and PodResources v1 (we read it).
 
+pub mod devices;
 pub mod proto;

@@ -1,0 +1,470 @@
+//! The FGD paper's fragmentation measure (Weng et al., ATC'23, §3).
+//!
+//! A node's idle GPU capacity is a *fragment* for a task type when that task cannot use it: all of it
+//! when the node cannot host the task at all (not enough CPU, not enough GPU, wrong model), otherwise
+//! the free units of the GPUs too small for one share of the task. The node's fragmentation is the
+//! expectation over the *typical* task mix, each type weighted by its popularity. Following the paper's
+//! artifact, CPU-only task types count all idle GPU capacity as fragment, and memory is not part of the
+//! measure unless asked for ([`FragModel::new`]'s `use_memory`).
+//!
+//! For speed the mix is compiled per GPU model into *demand classes* (task types that ask the same of
+//! GPUs), so a node is summarised by two numbers per class: how many of its GPUs fit one share, and the
+//! free units on the GPUs that do not. A placement changes one or a few GPUs, so its effect on those
+//! numbers, and on the fragmentation, is computed from the summary without rescanning the node.
+
+use std::collections::HashMap;
+
+use super::{Cluster, GpuDemand, ModelId, ModelSet, ModelTable, Node, Request};
+
+/// One typical task type and its popularity (the popularities of a mix sum to 1).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct TypicalType {
+    pub cpu_milli: u64,
+    pub memory_mib: u64,
+    pub gpu: GpuDemand,
+    pub models: Option<ModelSet>,
+    pub popularity: f64,
+}
+
+/// The typical workload: the most popular task types that together make up `threshold` of all tasks.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct TypicalMix {
+    pub types: Vec<TypicalType>,
+}
+
+impl TypicalMix {
+    /// Builds the mix from a workload, as the paper's simulator does: task types are (cpu, GPU demand,
+    /// allowed models), counted, sorted by decreasing count, and the most popular ones are kept until
+    /// they cover `threshold` (0..=1; the paper uses 0.95) of the tasks; popularities are renormalised.
+    pub fn from_requests<'a>(requests: impl IntoIterator<Item = &'a Request>, threshold: f64) -> TypicalMix {
+        let mut counts: HashMap<(u64, GpuDemand, Option<ModelSet>), u64> = HashMap::new();
+        let mut total = 0u64;
+        for r in requests {
+            *counts.entry((r.cpu_milli, r.gpu, r.models)).or_default() += 1;
+            total += 1;
+        }
+        let mut sorted: Vec<_> = counts.into_iter().collect();
+        // Most popular first; equal counts in the artifact's order (larger resources first).
+        let order_key = |g: GpuDemand| match g {
+            GpuDemand::None => (0u32, 0u32),
+            GpuDemand::Shared { amount } => (amount, 1),
+            GpuDemand::Whole { count } => (u32::MAX, count),
+        };
+        sorted.sort_by(|(ka, ca), (kb, cb)| {
+            cb.cmp(ca)
+                .then(kb.0.cmp(&ka.0))
+                .then(order_key(kb.1).cmp(&order_key(ka.1)))
+                .then(kb.2.cmp(&ka.2))
+        });
+        let expected = threshold * total as f64;
+        let mut kept = Vec::new();
+        let mut cum = 0u64;
+        for (key, count) in sorted {
+            if kept.is_empty() || (cum as f64) < expected {
+                cum += count;
+                kept.push((key, count));
+            } else {
+                break;
+            }
+        }
+        let types = kept
+            .into_iter()
+            .map(|((cpu_milli, gpu, models), count)| TypicalType {
+                cpu_milli,
+                memory_mib: 0,
+                gpu,
+                models,
+                popularity: count as f64 / cum.max(1) as f64,
+            })
+            .collect();
+        TypicalMix { types }
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Entry {
+    cpu: u64,
+    mem: u64,
+    p: f64,
+}
+
+#[derive(Debug, Clone, Copy, Default)]
+struct Range {
+    start: usize,
+    end: usize,
+    p_total: f64,
+}
+
+/// A [`TypicalMix`] compiled for fast evaluation on the nodes of one cluster.
+#[derive(Debug, Clone)]
+pub struct FragModel {
+    classes: Vec<GpuDemand>,
+    need: Vec<u32>,
+    /// Per model: popularity of the types that count all idle capacity as fragment regardless of state.
+    always: Vec<f64>,
+    /// Per (model, class): the types of that class the model can serve.
+    ranges: Vec<Range>,
+    entries: Vec<Entry>,
+}
+
+impl FragModel {
+    /// Compiles `mix` for the models in `models`. With `use_memory`, a type also needs its memory free on
+    /// the node to count as hostable (the paper's measure ignores memory).
+    pub fn new(mix: &TypicalMix, models: &ModelTable, use_memory: bool) -> FragModel {
+        let n_models = models.len().max(1);
+        let mut classes: Vec<GpuDemand> = Vec::new();
+        for t in &mix.types {
+            if t.gpu != GpuDemand::None && !classes.contains(&t.gpu) {
+                classes.push(t.gpu);
+            }
+        }
+        let d = classes.len();
+        let mut always = vec![0.0; n_models];
+        let mut per: Vec<Vec<Entry>> = vec![Vec::new(); n_models * d];
+        for t in &mix.types {
+            for (m, always_m) in always.iter_mut().enumerate() {
+                let accessible = t.models.is_none_or(|s| s.contains(m as ModelId));
+                match (t.gpu, accessible) {
+                    (GpuDemand::None, _) | (_, false) => *always_m += t.popularity,
+                    (g, true) => {
+                        let c = classes.iter().position(|x| *x == g).unwrap_or(0);
+                        let mem = if use_memory { t.memory_mib } else { 0 };
+                        per[m * d + c].push(Entry { cpu: t.cpu_milli, mem, p: t.popularity });
+                    }
+                }
+            }
+        }
+        let mut ranges = Vec::with_capacity(per.len());
+        let mut entries = Vec::new();
+        for mut list in per {
+            list.sort_by_key(|e| (e.cpu, e.mem));
+            let start = entries.len();
+            let p_total = list.iter().map(|e| e.p).sum();
+            entries.extend(list);
+            ranges.push(Range { start, end: entries.len(), p_total });
+        }
+        let need = classes.iter().map(|c| c.gpus_needed()).collect();
+        FragModel { classes, need, always, ranges, entries }
+    }
+
+    /// Number of demand classes (the length of a node summary).
+    pub fn classes(&self) -> usize {
+        self.classes.len()
+    }
+
+    /// Fills the per-class summary of `node`: GPUs that fit one share, and free units on those that do not.
+    pub fn summarize(&self, node: &Node, n_fit: &mut [u32], small: &mut [u64]) {
+        for (c, class) in self.classes.iter().enumerate() {
+            let mut fit = 0u32;
+            let mut sm = 0u64;
+            for g in &node.gpus {
+                if class.fits_gpu(g.capacity, g.free) {
+                    fit += 1;
+                } else {
+                    sm += u64::from(g.free);
+                }
+            }
+            n_fit[c] = fit;
+            small[c] = sm;
+        }
+    }
+
+    /// How one GPU going from `before` to `after` free units changes class `c`'s summary.
+    #[inline]
+    pub fn apply(&self, c: usize, capacity: u32, before: u32, after: u32, n_fit: &mut u32, small: &mut u64) {
+        let class = self.classes[c];
+        let fb = class.fits_gpu(capacity, before);
+        let fa = class.fits_gpu(capacity, after);
+        match (fb, fa) {
+            (true, false) => {
+                *n_fit -= 1;
+                *small += u64::from(after);
+            }
+            (false, true) => {
+                *n_fit += 1;
+                *small -= u64::from(before);
+            }
+            (false, false) => *small = *small - u64::from(before) + u64::from(after),
+            (true, true) => {}
+        }
+    }
+
+    /// Fragmentation (in GPU units) of a node of `model` with `cpu_free`/`mem_free`, `total_free` idle
+    /// GPU units, and class summaries given by `class_state(c) -> (n_fit, small)`.
+    #[inline]
+    pub fn eval(
+        &self,
+        model: ModelId,
+        cpu_free: u64,
+        mem_free: u64,
+        total_free: u64,
+        mut class_state: impl FnMut(usize) -> (u32, u64),
+    ) -> f64 {
+        if total_free == 0 {
+            return 0.0;
+        }
+        let m = (model as usize).min(self.always.len() - 1);
+        let total = total_free as f64;
+        let d = self.classes.len();
+        let mut frag = self.always[m] * total;
+        for c in 0..d {
+            let r = self.ranges[m * d + c];
+            if r.start == r.end {
+                continue;
+            }
+            let (n_fit, small) = class_state(c);
+            if n_fit < self.need[c] {
+                frag += r.p_total * total;
+                continue;
+            }
+            let mut p_ok = 0.0;
+            for e in &self.entries[r.start..r.end] {
+                if e.cpu > cpu_free {
+                    break;
+                }
+                if e.mem <= mem_free {
+                    p_ok += e.p;
+                }
+            }
+            frag += p_ok * small as f64 + (r.p_total - p_ok) * total;
+        }
+        frag
+    }
+
+    /// Fragmentation of `node` as it stands (the slow, obviously-right path).
+    pub fn node_frag(&self, node: &Node) -> f64 {
+        let d = self.classes.len();
+        let mut n_fit = vec![0u32; d];
+        let mut small = vec![0u64; d];
+        self.summarize(node, &mut n_fit, &mut small);
+        self.eval(node.model, node.cpu_free, node.memory_free, node.gpu_free_total(), |c| (n_fit[c], small[c]))
+    }
+
+    /// Fragmentation of the whole cluster, in GPU units.
+    pub fn cluster_frag(&self, cluster: &Cluster) -> f64 {
+        cluster.nodes.iter().map(|n| self.node_frag(n)).sum()
+    }
+}
+
+/// Per-node summaries and fragmentation, kept between decisions and recomputed only for nodes whose
+/// state changed (checked by content, so the cache cannot go stale whoever mutates the cluster).
+#[derive(Debug, Clone, Default)]
+pub struct FragCache {
+    d: usize,
+    stride: usize,
+    valid: Vec<bool>,
+    key_cpu: Vec<u64>,
+    key_mem: Vec<u64>,
+    key_frees: Vec<u32>,
+    n_fit: Vec<u32>,
+    small: Vec<u64>,
+    frag: Vec<f64>,
+}
+
+impl FragCache {
+    /// Brings the cache up to date with `cluster`.
+    pub fn sync(&mut self, model: &FragModel, cluster: &Cluster) {
+        let n = cluster.nodes.len();
+        let stride = cluster.nodes.iter().map(|x| x.gpus.len()).max().unwrap_or(0);
+        if self.valid.len() != n || self.stride != stride || self.d != model.classes() {
+            self.d = model.classes();
+            self.stride = stride;
+            self.valid = vec![false; n];
+            self.key_cpu = vec![0; n];
+            self.key_mem = vec![0; n];
+            self.key_frees = vec![0; n * stride];
+            self.n_fit = vec![0; n * self.d];
+            self.small = vec![0; n * self.d];
+            self.frag = vec![0.0; n];
+        }
+        for (i, node) in cluster.nodes.iter().enumerate() {
+            let keys = &mut self.key_frees[i * stride..i * stride + node.gpus.len()];
+            let same = self.valid[i]
+                && self.key_cpu[i] == node.cpu_free
+                && self.key_mem[i] == node.memory_free
+                && keys.iter().zip(&node.gpus).all(|(k, g)| *k == g.free);
+            if same {
+                continue;
+            }
+            for (k, g) in keys.iter_mut().zip(&node.gpus) {
+                *k = g.free;
+            }
+            self.key_cpu[i] = node.cpu_free;
+            self.key_mem[i] = node.memory_free;
+            let (nf, sm) = (&mut self.n_fit[i * self.d..(i + 1) * self.d], &mut self.small[i * self.d..(i + 1) * self.d]);
+            model.summarize(node, nf, sm);
+            self.frag[i] =
+                model.eval(node.model, node.cpu_free, node.memory_free, node.gpu_free_total(), |c| (nf[c], sm[c]));
+            self.valid[i] = true;
+        }
+    }
+
+    /// Summary and fragmentation of node `i` (after [`FragCache::sync`]).
+    #[inline]
+    pub fn node(&self, i: usize) -> (&[u32], &[u64], f64) {
+        (&self.n_fit[i * self.d..(i + 1) * self.d], &self.small[i * self.d..(i + 1) * self.d], self.frag[i])
+    }
+}
+
+/// Fragmentation of `node` after placing `req` on `gpus` (computed from the node's cached summary).
+#[allow(clippy::too_many_arguments)]
+#[inline]
+pub fn frag_after(
+    model: &FragModel,
+    node: &Node,
+    n_fit: &[u32],
+    small: &[u64],
+    req: &Request,
+    gpus: super::GpuMask,
+    scratch_fit: &mut [u32],
+    scratch_small: &mut [u64],
+) -> f64 {
+    let d = model.classes();
+    scratch_fit[..d].copy_from_slice(n_fit);
+    scratch_small[..d].copy_from_slice(small);
+    let mut taken = 0u64;
+    for i in gpus.iter() {
+        let g = node.gpus[i];
+        let after = match req.gpu {
+            GpuDemand::Shared { amount } => g.free - amount,
+            _ => 0,
+        };
+        taken += u64::from(g.free - after);
+        for c in 0..d {
+            model.apply(c, g.capacity, g.free, after, &mut scratch_fit[c], &mut scratch_small[c]);
+        }
+    }
+    model.eval(
+        node.model,
+        node.cpu_free - req.cpu_milli,
+        node.memory_free - req.memory_mib,
+        node.gpu_free_total() - taken,
+        |c| (scratch_fit[c], scratch_small[c]),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::testutil::*;
+    use super::super::{Cluster, Gpu, GpuMask, ModelTable};
+    use super::*;
+
+    fn mix(types: &[(u64, GpuDemand, f64)]) -> TypicalMix {
+        TypicalMix {
+            types: types
+                .iter()
+                .map(|&(cpu_milli, gpu, popularity)| TypicalType {
+                    cpu_milli,
+                    memory_mib: 0,
+                    gpu,
+                    models: None,
+                    popularity,
+                })
+                .collect(),
+        }
+    }
+
+    fn models() -> ModelTable {
+        let mut m = ModelTable::default();
+        m.intern("G").expect("intern");
+        m
+    }
+
+    #[test]
+    fn measure_matches_the_paper_on_hand_examples() {
+        // Half the tasks want 500 milli, half want a whole GPU; both need 4 cores.
+        let m = FragModel::new(
+            &mix(&[(4000, GpuDemand::Shared { amount: 500 }, 0.5), (4000, GpuDemand::Whole { count: 1 }, 0.5)]),
+            &models(),
+            false,
+        );
+        // GPUs free 1000 and 300: the 500-task can run, 300 is its fragment; the whole-GPU task can run,
+        // 300 is its fragment too.
+        assert!((m.node_frag(&node("a", 64_000, &[1000, 300])) - 300.0).abs() < 1e-9);
+        // Without CPU, nothing can run: all 1300 idle units are fragment.
+        assert!((m.node_frag(&node("b", 2000, &[1000, 300])) - 1300.0).abs() < 1e-9);
+        // 400 + 400 free: no task fits anywhere.
+        assert!((m.node_frag(&node("c", 64_000, &[400, 400])) - 800.0).abs() < 1e-9);
+        // 600 + 0: the 500-task fits (no fragment), the whole-GPU task does not (600).
+        assert!((m.node_frag(&node("d", 64_000, &[600, 0])) - 300.0).abs() < 1e-9);
+        // A full node has no fragment at all.
+        assert_eq!(m.node_frag(&node("e", 64_000, &[0, 0])), 0.0);
+    }
+
+    #[test]
+    fn cpu_only_types_count_all_idle_gpu_and_models_gate_access() {
+        let mut table = models();
+        let other = table.intern("H").expect("intern");
+        let mut x = mix(&[(1000, GpuDemand::None, 0.5), (1000, GpuDemand::Shared { amount: 100 }, 0.5)]);
+        x.types[1].models = Some(ModelSet::NONE.with(other));
+        let m = FragModel::new(&x, &table, false);
+        let n = node("a", 64_000, &[1000]);
+        assert!((m.node_frag(&n) - 1000.0).abs() < 1e-9, "model G serves neither type");
+        let mut h = n.clone();
+        h.model = other;
+        assert!((m.node_frag(&h) - 500.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn incremental_evaluation_equals_recomputation() {
+        let m = FragModel::new(
+            &mix(&[
+                (2000, GpuDemand::Shared { amount: 250 }, 0.3),
+                (8000, GpuDemand::Shared { amount: 700 }, 0.2),
+                (6000, GpuDemand::Whole { count: 2 }, 0.2),
+                (3000, GpuDemand::Whole { count: 1 }, 0.2),
+                (500, GpuDemand::None, 0.1),
+            ]),
+            &models(),
+            false,
+        );
+        let n = node("a", 20_000, &[1000, 800, 250, 1000, 0, 600]);
+        let d = m.classes();
+        let (mut nf, mut sm) = (vec![0; d], vec![0; d]);
+        m.summarize(&n, &mut nf, &mut sm);
+        let (mut f2, mut s2) = (vec![0; d], vec![0; d]);
+        let cases = [
+            (Request::shared(1000, 0, 250), GpuMask::single(1)),
+            (Request::shared(9000, 0, 600), GpuMask::single(5)),
+            (Request::shared(100, 0, 1000), GpuMask::single(0)),
+            (Request::whole(4000, 0, 2), GpuMask(0b1001)),
+            (Request::cpu_only(19_000, 0), GpuMask::EMPTY),
+        ];
+        for (req, gpus) in cases {
+            let fast = frag_after(&m, &n, &nf, &sm, &req, gpus, &mut f2, &mut s2);
+            let mut c = Cluster::new(models(), vec![n.clone()]);
+            c.allocate(0, &req, gpus).expect("fits");
+            let slow = m.node_frag(&c.nodes[0]);
+            assert!((fast - slow).abs() < 1e-6, "{req:?} on {gpus}: {fast} vs {slow}");
+        }
+    }
+
+    #[test]
+    fn typical_mix_keeps_the_popular_types_and_renormalises() {
+        let mut reqs = vec![Request::shared(1000, 0, 500); 60];
+        reqs.extend(vec![Request::whole(8000, 0, 1); 35]);
+        reqs.extend(vec![Request::cpu_only(4000, 0); 4]);
+        reqs.push(Request::whole(64_000, 0, 8));
+        let mix = TypicalMix::from_requests(&reqs, 0.95);
+        assert_eq!(mix.types.len(), 2);
+        assert!((mix.types[0].popularity - 60.0 / 95.0).abs() < 1e-12);
+        let all = TypicalMix::from_requests(&reqs, 1.0);
+        assert_eq!(all.types.len(), 4);
+        let sum: f64 = all.types.iter().map(|t| t.popularity).sum();
+        assert!((sum - 1.0).abs() < 1e-12);
+    }
+
+    #[test]
+    fn cache_follows_changes_made_behind_its_back() {
+        let m = FragModel::new(&mix(&[(1000, GpuDemand::Shared { amount: 500 }, 1.0)]), &models(), false);
+        let mut c = Cluster::new(models(), vec![node("a", 64_000, &[1000, 1000]), node("b", 64_000, &[300])]);
+        let mut cache = FragCache::default();
+        cache.sync(&m, &c);
+        assert_eq!(cache.node(1).2, 300.0);
+        c.nodes[0].gpus[0].free = 200;
+        c.nodes.push(Node::new("c", 0, 1000, 1000, vec![Gpu::new(1000)]));
+        cache.sync(&m, &c);
+        assert_eq!(cache.node(0).2, 200.0);
+        assert_eq!(cache.node(2).2, 0.0);
+    }
+}

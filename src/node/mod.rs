@@ -1,0 +1,409 @@
+//! What the agent publishes on its Node: small selectable labels, and versioned JSON annotations
+//! that carry the per-GPU picture the scorer places pods by.
+//!
+//! The types here are the contract between the agent (writer) and the scorer (reader).
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use crate::gpu::{GpuInventory, NvLinkPeer};
+
+/// Per-GPU topology (JSON, [`TopologyAnnotation`]).
+pub const TOPOLOGY_ANNOTATION: &str = "gpumem.io/gpu-topology";
+/// Per-GPU usage (JSON, [`UsageAnnotation`]).
+pub const USAGE_ANNOTATION: &str = "gpumem.io/gpu-usage";
+/// The schema version both annotations carry; a reader refuses any other.
+pub const ANNOTATION_VERSION: u32 = 1;
+
+/// GFD-compatible GPU labels plus gpumem's topology summary.
+pub fn labels(inventory: &GpuInventory, mem_unit_mib: u64) -> BTreeMap<String, String> {
+    let mut labels = BTreeMap::new();
+    let mut put = |key: &str, value: String| {
+        labels.insert(key.to_string(), value);
+    };
+    let gpus = &inventory.gpus;
+    put("nvidia.com/gpu.count", gpus.len().to_string());
+    if let Some(first) = gpus.first() {
+        let homogeneous = gpus.iter().all(|g| g.product == first.product);
+        // A node with several models cannot be described by one product label; the per-GPU models
+        // are in the topology annotation, which the scorer filters by.
+        let product = if homogeneous {
+            label_value(&first.product)
+        } else {
+            "mixed".to_string()
+        };
+        put("nvidia.com/gpu.product", product);
+        let smallest = gpus
+            .iter()
+            .map(|g| g.memory_mib)
+            .min()
+            .unwrap_or(first.memory_mib);
+        put("nvidia.com/gpu.memory", smallest.to_string());
+        let (major, minor) = gpus
+            .iter()
+            .map(|g| g.compute_capability)
+            .min()
+            .unwrap_or(first.compute_capability);
+        put("nvidia.com/gpu.family", family(major, minor).to_string());
+        put("nvidia.com/gpu.compute.major", major.to_string());
+        put("nvidia.com/gpu.compute.minor", minor.to_string());
+    }
+    // GFD's cuda.driver.* labels carry the NVIDIA driver version, cuda.runtime.* the CUDA version.
+    let mut driver = inventory.driver_version.split('.');
+    if let (Some(major), Some(minor)) = (driver.next(), driver.next()) {
+        put("nvidia.com/cuda.driver.major", label_value(major));
+        put("nvidia.com/cuda.driver.minor", label_value(minor));
+        put(
+            "nvidia.com/cuda.driver.rev",
+            label_value(driver.next().unwrap_or("")),
+        );
+    }
+    put(
+        "nvidia.com/cuda.runtime.major",
+        inventory.cuda_version.0.to_string(),
+    );
+    put(
+        "nvidia.com/cuda.runtime.minor",
+        inventory.cuda_version.1.to_string(),
+    );
+    put("gpumem.io/numa-nodes", inventory.numa_nodes().len().to_string());
+    put(
+        "gpumem.io/pcie-switches",
+        inventory.pcie_switch_groups().len().to_string(),
+    );
+    put(
+        "gpumem.io/nvlink",
+        inventory.nvlink_coverage().as_str().to_string(),
+    );
+    put("gpumem.io/mem-unit-mib", mem_unit_mib.to_string());
+    labels
+}
+
+/// GPU architecture family from the compute capability, named as GFD names them.
+pub fn family(major: u32, minor: u32) -> &'static str {
+    match (major, minor) {
+        (3, _) => "kepler",
+        (5, _) => "maxwell",
+        (6, _) => "pascal",
+        (7, m) if m < 5 => "volta",
+        (7, _) => "turing",
+        (8, m) if m < 9 => "ampere",
+        (8, _) => "ada-lovelace",
+        (9, _) => "hopper",
+        (10 | 12, _) => "blackwell",
+        _ => "undefined",
+    }
+}
+
+/// A Kubernetes label value: at most 63 characters of `[A-Za-z0-9._-]`, alphanumeric at both ends
+/// (spaces become `-`, as GFD does: "NVIDIA A100-SXM4-80GB" -> "NVIDIA-A100-SXM4-80GB").
+pub fn label_value(text: &str) -> String {
+    let mapped: String = text
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.') {
+                c
+            } else {
+                '-'
+            }
+        })
+        .take(63)
+        .collect();
+    mapped
+        .trim_matches(|c: char| !c.is_ascii_alphanumeric())
+        .to_string()
+}
+
+/// Whether a GPU can take work.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Health {
+    Healthy,
+    Unhealthy,
+}
+
+/// How a GPU is being used.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum GpuMode {
+    /// Nothing allocated.
+    Free,
+    /// Memory units allocated to one or more pods.
+    Shared,
+    /// Allocated as a whole GPU to one pod.
+    Whole,
+}
+
+/// `gpumem.io/gpu-topology`: what each GPU is and how it is wired.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct TopologyAnnotation {
+    pub version: u32,
+    #[serde(rename = "memUnitMiB")]
+    pub mem_unit_mib: u64,
+    pub gpus: Vec<GpuTopology>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct GpuTopology {
+    pub index: u32,
+    pub uuid: String,
+    pub model: String,
+    #[serde(rename = "memoryMiB")]
+    pub memory_mib: u64,
+    pub numa_node: Option<u32>,
+    pub pcie_switch: Option<u32>,
+    pub nvlink_peers: Vec<NvLinkPeerJson>,
+    pub health: Health,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NvLinkPeerJson {
+    pub index: u32,
+    pub links: u32,
+}
+
+impl From<NvLinkPeer> for NvLinkPeerJson {
+    fn from(peer: NvLinkPeer) -> Self {
+        Self {
+            index: peer.index,
+            links: peer.links,
+        }
+    }
+}
+
+/// `gpumem.io/gpu-usage`: what is allocated on each GPU, and to whom.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct UsageAnnotation {
+    pub version: u32,
+    pub gpus: Vec<GpuUsage>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct GpuUsage {
+    pub index: u32,
+    #[serde(rename = "allocatedMiB")]
+    pub allocated_mib: u64,
+    pub mode: GpuMode,
+    /// `namespace/name` of each pod with an allocation here.
+    pub pods: Vec<String>,
+}
+
+impl TopologyAnnotation {
+    /// The topology of `inventory`; `healthy(position)` tells each GPU's health.
+    pub fn new(inventory: &GpuInventory, mem_unit_mib: u64, healthy: impl Fn(usize) -> bool) -> Self {
+        let gpus = inventory
+            .gpus
+            .iter()
+            .enumerate()
+            .map(|(a, gpu)| GpuTopology {
+                index: gpu.index,
+                uuid: gpu.uuid.clone(),
+                model: gpu.product.clone(),
+                memory_mib: gpu.memory_mib,
+                numa_node: gpu.numa_node,
+                pcie_switch: inventory.pcie_switch(a),
+                nvlink_peers: inventory.nvlink_peers(a).into_iter().map(Into::into).collect(),
+                health: if healthy(a) {
+                    Health::Healthy
+                } else {
+                    Health::Unhealthy
+                },
+            })
+            .collect();
+        Self {
+            version: ANNOTATION_VERSION,
+            mem_unit_mib,
+            gpus,
+        }
+    }
+
+    /// Parses and checks an annotation someone (or something) wrote; the error says what is wrong.
+    pub fn parse(json: &str) -> Result<Self, AnnotationError> {
+        let parsed: Self = parse_versioned(TOPOLOGY_ANNOTATION, json)?;
+        let mut seen = std::collections::BTreeSet::new();
+        for gpu in &parsed.gpus {
+            if !seen.insert(gpu.index) {
+                return Err(AnnotationError::invalid(
+                    TOPOLOGY_ANNOTATION,
+                    format!("GPU {} twice", gpu.index),
+                ));
+            }
+        }
+        if parsed.mem_unit_mib == 0 {
+            return Err(AnnotationError::invalid(
+                TOPOLOGY_ANNOTATION,
+                "memUnitMiB is 0".into(),
+            ));
+        }
+        Ok(parsed)
+    }
+}
+
+impl UsageAnnotation {
+    /// Every GPU of `inventory` free.
+    pub fn idle(inventory: &GpuInventory) -> Self {
+        let gpus = inventory
+            .gpus
+            .iter()
+            .map(|g| GpuUsage {
+                index: g.index,
+                allocated_mib: 0,
+                mode: GpuMode::Free,
+                pods: Vec::new(),
+            })
+            .collect();
+        Self {
+            version: ANNOTATION_VERSION,
+            gpus,
+        }
+    }
+
+    /// Parses and checks an annotation someone (or something) wrote; the error says what is wrong.
+    pub fn parse(json: &str) -> Result<Self, AnnotationError> {
+        parse_versioned(USAGE_ANNOTATION, json)
+    }
+}
+
+/// Why an annotation cannot be used.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum AnnotationError {
+    #[error("annotation {key} is not valid JSON for gpumem: {message}")]
+    Malformed { key: &'static str, message: String },
+    #[error("annotation {key} has version {found}, this gpumem reads version {ANNOTATION_VERSION}")]
+    Version { key: &'static str, found: String },
+    #[error("annotation {key} is inconsistent: {message}")]
+    Invalid { key: &'static str, message: String },
+}
+
+impl AnnotationError {
+    fn invalid(key: &'static str, message: String) -> Self {
+        Self::Invalid { key, message }
+    }
+}
+
+fn parse_versioned<T: serde::de::DeserializeOwned>(
+    key: &'static str,
+    json: &str,
+) -> Result<T, AnnotationError> {
+    // Check the version first, so that a future schema is reported as such rather than as garbage.
+    let value: serde_json::Value = serde_json::from_str(json).map_err(|e| AnnotationError::Malformed {
+        key,
+        message: e.to_string(),
+    })?;
+    match value.get("version") {
+        Some(v) if v.as_u64() == Some(u64::from(ANNOTATION_VERSION)) => {}
+        Some(v) => {
+            return Err(AnnotationError::Version {
+                key,
+                found: v.to_string(),
+            });
+        }
+        None => {
+            return Err(AnnotationError::Version {
+                key,
+                found: "none".into(),
+            });
+        }
+    }
+    serde_json::from_value(value).map_err(|e| AnnotationError::Malformed {
+        key,
+        message: e.to_string(),
+    })
+}
+
+/// Both annotations, serialized as the agent writes them.
+pub fn annotations(topology: &TopologyAnnotation, usage: &UsageAnnotation) -> BTreeMap<String, String> {
+    BTreeMap::from([
+        (TOPOLOGY_ANNOTATION.to_string(), to_json(topology)),
+        (USAGE_ANNOTATION.to_string(), to_json(usage)),
+    ])
+}
+
+fn to_json<T: Serialize>(value: &T) -> String {
+    // Plain structs with string keys always serialize; an empty object is the harmless fallback.
+    serde_json::to_string(value).unwrap_or_else(|_| "{}".to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use gpumem_profile::Profile;
+
+    fn inventory(name: &str) -> GpuInventory {
+        GpuInventory::discover(&Profile::load(name).unwrap()).unwrap()
+    }
+
+    #[test]
+    fn dgx_a100_labels_match_gfd_and_summarize_topology() {
+        let labels = labels(&inventory("dgx-a100"), 4);
+        let get = |k: &str| labels.get(k).map(String::as_str);
+        assert_eq!(get("nvidia.com/gpu.product"), Some("NVIDIA-A100-SXM4-80GB"));
+        assert_eq!(get("nvidia.com/gpu.count"), Some("8"));
+        assert_eq!(get("nvidia.com/gpu.memory"), Some("81920"));
+        assert_eq!(get("nvidia.com/gpu.family"), Some("ampere"));
+        assert_eq!(get("nvidia.com/gpu.compute.major"), Some("8"));
+        assert_eq!(get("nvidia.com/cuda.driver.major"), Some("550"));
+        assert_eq!(get("nvidia.com/cuda.driver.rev"), Some("07"));
+        assert_eq!(get("nvidia.com/cuda.runtime.minor"), Some("4"));
+        assert_eq!(get("gpumem.io/numa-nodes"), Some("2"));
+        assert_eq!(get("gpumem.io/pcie-switches"), Some("4"));
+        assert_eq!(get("gpumem.io/nvlink"), Some("all-to-all"));
+        assert_eq!(get("gpumem.io/mem-unit-mib"), Some("4"));
+    }
+
+    #[test]
+    fn a_mixed_node_does_not_claim_one_product() {
+        let labels = labels(&inventory("mixed"), 1);
+        assert_eq!(labels["nvidia.com/gpu.product"], "mixed");
+        assert_eq!(labels["nvidia.com/gpu.memory"], "15360");
+        assert_eq!(labels["nvidia.com/gpu.family"], "volta");
+        assert_eq!(labels["gpumem.io/nvlink"], "partial");
+    }
+
+    #[test]
+    fn label_values_are_valid() {
+        assert_eq!(label_value("Tesla T4"), "Tesla-T4");
+        assert_eq!(label_value(" (weird) name! "), "weird--name");
+        assert_eq!(label_value(&"x".repeat(80)).len(), 63);
+    }
+
+    #[test]
+    fn annotations_round_trip_and_reject_hand_edits() {
+        let inv = inventory("dgx-a100");
+        let topology = TopologyAnnotation::new(&inv, 1, |a| a != 3);
+        let usage = UsageAnnotation::idle(&inv);
+        let written = annotations(&topology, &usage);
+        let back = TopologyAnnotation::parse(&written[TOPOLOGY_ANNOTATION]).unwrap();
+        assert_eq!(back, topology);
+        assert_eq!(back.gpus[3].health, Health::Unhealthy);
+        assert_eq!(back.gpus[0].nvlink_peers.len(), 7);
+        assert_eq!(UsageAnnotation::parse(&written[USAGE_ANNOTATION]).unwrap(), usage);
+
+        let future = written[TOPOLOGY_ANNOTATION].replacen("\"version\":1", "\"version\":2", 1);
+        assert!(matches!(
+            TopologyAnnotation::parse(&future),
+            Err(AnnotationError::Version { .. })
+        ));
+        assert!(matches!(
+            TopologyAnnotation::parse("{not json"),
+            Err(AnnotationError::Malformed { .. })
+        ));
+        let typo = written[USAGE_ANNOTATION].replacen("allocatedMiB", "allocatedMB", 1);
+        assert!(matches!(
+            UsageAnnotation::parse(&typo),
+            Err(AnnotationError::Malformed { .. })
+        ));
+        let twice = r#"{"version":1,"memUnitMiB":1,"gpus":[
+            {"index":0,"uuid":"a","model":"m","memoryMiB":1,"numaNode":null,"pcieSwitch":null,"nvlinkPeers":[],"health":"Healthy"},
+            {"index":0,"uuid":"b","model":"m","memoryMiB":1,"numaNode":null,"pcieSwitch":null,"nvlinkPeers":[],"health":"Healthy"}]}"#;
+        assert!(matches!(
+            TopologyAnnotation::parse(twice),
+            Err(AnnotationError::Invalid { .. })
+        ));
+    }
+}
