@@ -222,7 +222,11 @@ impl Profile {
     }
 
     fn nvswitch_chips(&self) -> u32 {
-        if self.nvswitch_links.is_multiple_of(6) { 6 } else { 4 }
+        if self.nvswitch_links.is_multiple_of(6) {
+            6
+        } else {
+            4
+        }
     }
 
     /// The GPU with this bus id, if any (case-insensitive, with or without the 8-digit domain).

@@ -124,9 +124,16 @@ pub struct HealthEvents {
 }
 
 impl HealthEvents {
-    /// The next event, waiting at most `timeout`.
-    pub fn next(&self, timeout: Duration) -> Option<GpuEvent> {
-        self.events.recv_timeout(timeout).ok()
+    /// The next event, waiting at most `timeout` (`Ok(None)`: nothing happened). An error means the
+    /// watch has ended (NVML failed); no event will come any more.
+    pub fn next(&self, timeout: Duration) -> Result<Option<GpuEvent>, GpuError> {
+        match self.events.recv_timeout(timeout) {
+            Ok(event) => Ok(Some(event)),
+            Err(mpsc::RecvTimeoutError::Timeout) => Ok(None),
+            Err(mpsc::RecvTimeoutError::Disconnected) => {
+                Err(GpuError::Nvml { call: "nvmlEventSetWait_v2", message: "the XID watch has ended".into() })
+            }
+        }
     }
 }
 
