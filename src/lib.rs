@@ -4,9 +4,14 @@
 //! - [`gpu`]: what GPUs the node has and how they are wired (NVML, or a simulated profile);
 //! - [`plugin`]: the kubelet's Device Plugin and PodResources APIs;
 //! - [`node`]: the labels and annotations the agent publishes on its Node;
-//! - [`inspect`]: `gpumem inspect`, a human view of all of the above.
+//! - [`inspect`]: `gpumem inspect`, a human view of all of the above;
+//! - [`alloc`]: the placement policy (which node, which GPUs), pure, shared by scorer, agent and simulator;
+//! - [`sim`]: `gpumem simulate`, replaying cluster traces through [`alloc`].
 
+pub mod agent;
+pub mod alloc;
 pub mod gpu;
 pub mod inspect;
 pub mod node;
 pub mod plugin;
+pub mod sim;

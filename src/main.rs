@@ -13,8 +13,12 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Run the node agent (DaemonSet): kubelet device plugins for whole GPUs and GPU memory.
+    Agent(gpumem::agent::AgentArgs),
     /// Show what the agent sees on this node: GPUs, topology, labels and resources it would publish.
     Inspect(gpumem::inspect::InspectArgs),
+    /// Replay a GPU cluster trace through the placement policies and report allocation and fragmentation.
+    Simulate(gpumem::sim::SimulateArgs),
 }
 
 fn main() -> ExitCode {
@@ -24,7 +28,9 @@ fn main() -> ExitCode {
         .init();
     let cli = Cli::parse();
     let result = match cli.command {
+        Command::Agent(args) => gpumem::agent::run(&args),
         Command::Inspect(args) => gpumem::inspect::run(&args),
+        Command::Simulate(args) => gpumem::sim::run(&args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -29,7 +29,10 @@ pub struct TypicalType {
 /// The typical workload: the most popular task types that together make up `threshold` of all tasks.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct TypicalMix {
+    /// The typical types (popularities sum to 1).
     pub types: Vec<TypicalType>,
+    /// Every task type seen, most popular first (popularity = share of all tasks).
+    pub all: Vec<TypicalType>,
 }
 
 impl TypicalMix {
@@ -38,11 +41,16 @@ impl TypicalMix {
     /// they cover `threshold` (0..=1; the paper uses 0.95) of the tasks; popularities are renormalised.
     pub fn from_requests<'a>(requests: impl IntoIterator<Item = &'a Request>, threshold: f64) -> TypicalMix {
         let mut counts: HashMap<(u64, GpuDemand, Option<ModelSet>), u64> = HashMap::new();
+        let mut memory: HashMap<(u64, GpuDemand, Option<ModelSet>), u64> = HashMap::new();
         let mut total = 0u64;
         for r in requests {
             *counts.entry((r.cpu_milli, r.gpu, r.models)).or_default() += 1;
+            *memory.entry((r.cpu_milli, r.gpu, r.models)).or_default() += r.memory_mib;
             total += 1;
         }
+        let mean_mem = |k: &(u64, GpuDemand, Option<ModelSet>), count: u64| {
+            memory.get(k).copied().unwrap_or(0) / count.max(1)
+        };
         let mut sorted: Vec<_> = counts.into_iter().collect();
         // Most popular first; equal counts in the artifact's order (larger resources first).
         let order_key = |g: GpuDemand| match g {
@@ -56,6 +64,16 @@ impl TypicalMix {
                 .then(order_key(kb.1).cmp(&order_key(ka.1)))
                 .then(kb.2.cmp(&ka.2))
         });
+        let all = sorted
+            .iter()
+            .map(|&((cpu_milli, gpu, models), count)| TypicalType {
+                cpu_milli,
+                memory_mib: mean_mem(&(cpu_milli, gpu, models), count),
+                gpu,
+                models,
+                popularity: count as f64 / total.max(1) as f64,
+            })
+            .collect();
         let expected = threshold * total as f64;
         let mut kept = Vec::new();
         let mut cum = 0u64;
@@ -71,13 +89,57 @@ impl TypicalMix {
             .into_iter()
             .map(|((cpu_milli, gpu, models), count)| TypicalType {
                 cpu_milli,
-                memory_mib: 0,
+                memory_mib: mean_mem(&(cpu_milli, gpu, models), count),
                 gpu,
                 models,
                 popularity: count as f64 / cum.max(1) as f64,
             })
             .collect();
-        TypicalMix { types }
+        TypicalMix { types, all }
+    }
+
+    /// All GPU task types, a whole-GPU type weighted by its count times its number of GPUs (so keeping
+    /// an 8-GPU node whole counts for eight 1-GPU tasks), a shared type by its count.
+    pub fn by_gpus_needed(&self) -> TypicalMix {
+        let mut types: Vec<TypicalType> = self
+            .all
+            .iter()
+            .filter(|t| t.gpu != GpuDemand::None)
+            .map(|t| TypicalType {
+                popularity: t.popularity * f64::from(t.gpu.gpus_needed()),
+                ..*t
+            })
+            .collect();
+        let sum: f64 = types.iter().map(|t| t.popularity).sum();
+        for t in &mut types {
+            t.popularity /= sum.max(f64::MIN_POSITIVE);
+        }
+        TypicalMix {
+            types,
+            all: self.all.clone(),
+        }
+    }
+
+    /// All task types, each weighted by its share of the GPU demand (a whole GPU counts `whole_units`):
+    /// a rare 8-GPU task type weighs as much as eight common 1-GPU ones. CPU-only types are dropped.
+    pub fn by_gpu_demand(&self, whole_units: u32) -> TypicalMix {
+        let mut types: Vec<TypicalType> = self
+            .all
+            .iter()
+            .filter(|t| t.gpu != GpuDemand::None)
+            .map(|t| TypicalType {
+                popularity: t.popularity * t.gpu.units(whole_units) as f64,
+                ..*t
+            })
+            .collect();
+        let sum: f64 = types.iter().map(|t| t.popularity).sum();
+        for t in &mut types {
+            t.popularity /= sum.max(f64::MIN_POSITIVE);
+        }
+        TypicalMix {
+            types,
+            all: self.all.clone(),
+        }
     }
 }
 
@@ -98,10 +160,15 @@ struct Range {
 /// A [`TypicalMix`] compiled for fast evaluation on the nodes of one cluster.
 #[derive(Debug, Clone)]
 pub struct FragModel {
+    /// Fill mode: see [`FragModel::fill`].
+    fill: bool,
     classes: Vec<GpuDemand>,
     need: Vec<u32>,
     /// Per model: popularity of the types that count all idle capacity as fragment regardless of state.
     always: Vec<f64>,
+    /// Popularity of the CPU-only types (fill mode ignores types the model cannot serve: they would
+    /// otherwise pull work toward scarce models).
+    cpu_only: f64,
     /// Per (model, class): the types of that class the model can serve.
     ranges: Vec<Range>,
     entries: Vec<Entry>,
@@ -129,7 +196,11 @@ impl FragModel {
                     (g, true) => {
                         let c = classes.iter().position(|x| *x == g).unwrap_or(0);
                         let mem = if use_memory { t.memory_mib } else { 0 };
-                        per[m * d + c].push(Entry { cpu: t.cpu_milli, mem, p: t.popularity });
+                        per[m * d + c].push(Entry {
+                            cpu: t.cpu_milli,
+                            mem,
+                            p: t.popularity,
+                        });
                     }
                 }
             }
@@ -141,10 +212,47 @@ impl FragModel {
             let start = entries.len();
             let p_total = list.iter().map(|e| e.p).sum();
             entries.extend(list);
-            ranges.push(Range { start, end: entries.len(), p_total });
+            ranges.push(Range {
+                start,
+                end: entries.len(),
+                p_total,
+            });
         }
         let need = classes.iter().map(|c| c.gpus_needed()).collect();
-        FragModel { classes, need, always, ranges, entries }
+        let cpu_only = mix
+            .types
+            .iter()
+            .filter(|t| t.gpu == GpuDemand::None)
+            .map(|t| t.popularity)
+            .sum();
+        FragModel {
+            fill: false,
+            classes,
+            need,
+            always,
+            cpu_only,
+            ranges,
+            entries,
+        }
+    }
+
+    /// Fill mode (gpumem's measure): a node's fragment for a task type is the idle GPU capacity left
+    /// over once the node is packed with as many tasks of that type as its GPUs, CPU and memory allow.
+    /// Unlike the paper's measure (is there room for one more task?), it sees CPU and memory stranding
+    /// (8 idle GPUs with CPU for 3 tasks leave 5 GPUs unusable) and holes smaller than a share.
+    pub fn fill(mut self, on: bool) -> FragModel {
+        self.fill = on;
+        self
+    }
+
+    /// In fill mode, how many units of class `c` one GPU in this state holds (shares, or idle GPUs).
+    #[inline]
+    fn slots_of(class: GpuDemand, capacity: u32, free: u32) -> u32 {
+        match class {
+            GpuDemand::None => 0,
+            GpuDemand::Shared { amount } => free / amount.max(1),
+            GpuDemand::Whole { .. } => u32::from(free == capacity),
+        }
     }
 
     /// Number of demand classes (the length of a node summary).
@@ -158,7 +266,9 @@ impl FragModel {
             let mut fit = 0u32;
             let mut sm = 0u64;
             for g in &node.gpus {
-                if class.fits_gpu(g.capacity, g.free) {
+                if self.fill {
+                    fit += Self::slots_of(*class, g.capacity, g.free);
+                } else if class.fits_gpu(g.capacity, g.free) {
                     fit += 1;
                 } else {
                     sm += u64::from(g.free);
@@ -173,6 +283,11 @@ impl FragModel {
     #[inline]
     pub fn apply(&self, c: usize, capacity: u32, before: u32, after: u32, n_fit: &mut u32, small: &mut u64) {
         let class = self.classes[c];
+        if self.fill {
+            *n_fit =
+                *n_fit + Self::slots_of(class, capacity, after) - Self::slots_of(class, capacity, before);
+            return;
+        }
         let fb = class.fits_gpu(capacity, before);
         let fa = class.fits_gpu(capacity, after);
         match (fb, fa) {
@@ -190,14 +305,16 @@ impl FragModel {
     }
 
     /// Fragmentation (in GPU units) of a node of `model` with `cpu_free`/`mem_free`, `total_free` idle
-    /// GPU units, and class summaries given by `class_state(c) -> (n_fit, small)`.
+    /// GPU units, GPUs of `gpu_capacity` units, and class summaries given by `class_state(c) -> (n_fit, small)`.
     #[inline]
+    #[allow(clippy::too_many_arguments)]
     pub fn eval(
         &self,
         model: ModelId,
         cpu_free: u64,
         mem_free: u64,
         total_free: u64,
+        gpu_capacity: u32,
         mut class_state: impl FnMut(usize) -> (u32, u64),
     ) -> f64 {
         if total_free == 0 {
@@ -206,6 +323,32 @@ impl FragModel {
         let m = (model as usize).min(self.always.len() - 1);
         let total = total_free as f64;
         let d = self.classes.len();
+        if self.fill {
+            let mut frag = self.cpu_only * total;
+            for c in 0..d {
+                let r = self.ranges[m * d + c];
+                if r.start == r.end {
+                    continue;
+                }
+                let (units, _) = class_state(c);
+                let (slots, per_task) = match self.classes[c] {
+                    GpuDemand::Shared { amount } => (u64::from(units), f64::from(amount)),
+                    GpuDemand::Whole { count } => (u64::from(units / count.max(1)), f64::from(gpu_capacity)),
+                    GpuDemand::None => (0, 0.0),
+                };
+                for e in &self.entries[r.start..r.end] {
+                    let by_cpu = cpu_free.checked_div(e.cpu).unwrap_or(u64::MAX);
+                    let by_mem = mem_free.checked_div(e.mem).unwrap_or(u64::MAX);
+                    let tasks = slots.min(by_cpu).min(by_mem) as f64;
+                    let usable = match self.classes[c] {
+                        GpuDemand::Whole { count } => tasks * f64::from(count) * per_task,
+                        _ => tasks * per_task,
+                    };
+                    frag += e.p * (total - usable.min(total));
+                }
+            }
+            return frag;
+        }
         let mut frag = self.always[m] * total;
         for c in 0..d {
             let r = self.ranges[m * d + c];
@@ -237,7 +380,15 @@ impl FragModel {
         let mut n_fit = vec![0u32; d];
         let mut small = vec![0u64; d];
         self.summarize(node, &mut n_fit, &mut small);
-        self.eval(node.model, node.cpu_free, node.memory_free, node.gpu_free_total(), |c| (n_fit[c], small[c]))
+        let cap = node.gpus.first().map_or(0, |g| g.capacity);
+        self.eval(
+            node.model,
+            node.cpu_free,
+            node.memory_free,
+            node.gpu_free_total(),
+            cap,
+            |c| (n_fit[c], small[c]),
+        )
     }
 
     /// Fragmentation of the whole cluster, in GPU units.
@@ -291,10 +442,20 @@ impl FragCache {
             }
             self.key_cpu[i] = node.cpu_free;
             self.key_mem[i] = node.memory_free;
-            let (nf, sm) = (&mut self.n_fit[i * self.d..(i + 1) * self.d], &mut self.small[i * self.d..(i + 1) * self.d]);
+            let (nf, sm) = (
+                &mut self.n_fit[i * self.d..(i + 1) * self.d],
+                &mut self.small[i * self.d..(i + 1) * self.d],
+            );
             model.summarize(node, nf, sm);
-            self.frag[i] =
-                model.eval(node.model, node.cpu_free, node.memory_free, node.gpu_free_total(), |c| (nf[c], sm[c]));
+            let cap = node.gpus.first().map_or(0, |g| g.capacity);
+            self.frag[i] = model.eval(
+                node.model,
+                node.cpu_free,
+                node.memory_free,
+                node.gpu_free_total(),
+                cap,
+                |c| (nf[c], sm[c]),
+            );
             self.valid[i] = true;
         }
     }
@@ -302,7 +463,11 @@ impl FragCache {
     /// Summary and fragmentation of node `i` (after [`FragCache::sync`]).
     #[inline]
     pub fn node(&self, i: usize) -> (&[u32], &[u64], f64) {
-        (&self.n_fit[i * self.d..(i + 1) * self.d], &self.small[i * self.d..(i + 1) * self.d], self.frag[i])
+        (
+            &self.n_fit[i * self.d..(i + 1) * self.d],
+            &self.small[i * self.d..(i + 1) * self.d],
+            self.frag[i],
+        )
     }
 }
 
@@ -331,7 +496,14 @@ pub fn frag_after(
         };
         taken += u64::from(g.free - after);
         for c in 0..d {
-            model.apply(c, g.capacity, g.free, after, &mut scratch_fit[c], &mut scratch_small[c]);
+            model.apply(
+                c,
+                g.capacity,
+                g.free,
+                after,
+                &mut scratch_fit[c],
+                &mut scratch_small[c],
+            );
         }
     }
     model.eval(
@@ -339,6 +511,7 @@ pub fn frag_after(
         node.cpu_free - req.cpu_milli,
         node.memory_free - req.memory_mib,
         node.gpu_free_total() - taken,
+        node.gpus.first().map_or(0, |g| g.capacity),
         |c| (scratch_fit[c], scratch_small[c]),
     )
 }
@@ -361,6 +534,7 @@ mod tests {
                     popularity,
                 })
                 .collect(),
+            all: Vec::new(),
         }
     }
 
@@ -374,7 +548,10 @@ mod tests {
     fn measure_matches_the_paper_on_hand_examples() {
         // Half the tasks want 500 milli, half want a whole GPU; both need 4 cores.
         let m = FragModel::new(
-            &mix(&[(4000, GpuDemand::Shared { amount: 500 }, 0.5), (4000, GpuDemand::Whole { count: 1 }, 0.5)]),
+            &mix(&[
+                (4000, GpuDemand::Shared { amount: 500 }, 0.5),
+                (4000, GpuDemand::Whole { count: 1 }, 0.5),
+            ]),
             &models(),
             false,
         );
@@ -395,11 +572,17 @@ mod tests {
     fn cpu_only_types_count_all_idle_gpu_and_models_gate_access() {
         let mut table = models();
         let other = table.intern("H").expect("intern");
-        let mut x = mix(&[(1000, GpuDemand::None, 0.5), (1000, GpuDemand::Shared { amount: 100 }, 0.5)]);
+        let mut x = mix(&[
+            (1000, GpuDemand::None, 0.5),
+            (1000, GpuDemand::Shared { amount: 100 }, 0.5),
+        ]);
         x.types[1].models = Some(ModelSet::NONE.with(other));
         let m = FragModel::new(&x, &table, false);
         let n = node("a", 64_000, &[1000]);
-        assert!((m.node_frag(&n) - 1000.0).abs() < 1e-9, "model G serves neither type");
+        assert!(
+            (m.node_frag(&n) - 1000.0).abs() < 1e-9,
+            "model G serves neither type"
+        );
         let mut h = n.clone();
         h.model = other;
         assert!((m.node_frag(&h) - 500.0).abs() < 1e-9);
@@ -456,8 +639,15 @@ mod tests {
 
     #[test]
     fn cache_follows_changes_made_behind_its_back() {
-        let m = FragModel::new(&mix(&[(1000, GpuDemand::Shared { amount: 500 }, 1.0)]), &models(), false);
-        let mut c = Cluster::new(models(), vec![node("a", 64_000, &[1000, 1000]), node("b", 64_000, &[300])]);
+        let m = FragModel::new(
+            &mix(&[(1000, GpuDemand::Shared { amount: 500 }, 1.0)]),
+            &models(),
+            false,
+        );
+        let mut c = Cluster::new(
+            models(),
+            vec![node("a", 64_000, &[1000, 1000]), node("b", 64_000, &[300])],
+        );
         let mut cache = FragCache::default();
         cache.sync(&m, &c);
         assert_eq!(cache.node(1).2, 300.0);

@@ -18,6 +18,7 @@ pub mod baselines;
 pub mod fgd;
 pub mod frag;
 pub mod gpumem;
+pub mod local;
 
 use std::fmt;
 
@@ -156,7 +157,10 @@ pub struct Gpu {
 
 impl Gpu {
     pub fn new(capacity: u32) -> Gpu {
-        Gpu { capacity, free: capacity }
+        Gpu {
+            capacity,
+            free: capacity,
+        }
     }
 
     /// No unit in use: the GPU can be handed out whole.
@@ -218,15 +222,30 @@ pub struct Request {
 
 impl Request {
     pub fn cpu_only(cpu_milli: u64, memory_mib: u64) -> Request {
-        Request { cpu_milli, memory_mib, gpu: GpuDemand::None, models: None }
+        Request {
+            cpu_milli,
+            memory_mib,
+            gpu: GpuDemand::None,
+            models: None,
+        }
     }
 
     pub fn shared(cpu_milli: u64, memory_mib: u64, amount: u32) -> Request {
-        Request { cpu_milli, memory_mib, gpu: GpuDemand::Shared { amount }, models: None }
+        Request {
+            cpu_milli,
+            memory_mib,
+            gpu: GpuDemand::Shared { amount },
+            models: None,
+        }
     }
 
     pub fn whole(cpu_milli: u64, memory_mib: u64, count: u32) -> Request {
-        Request { cpu_milli, memory_mib, gpu: GpuDemand::Whole { count }, models: None }
+        Request {
+            cpu_milli,
+            memory_mib,
+            gpu: GpuDemand::Whole { count },
+            models: None,
+        }
     }
 
     pub fn with_models(mut self, models: ModelSet) -> Request {
@@ -302,7 +321,13 @@ impl Node {
             return false;
         }
         let need = req.gpu.gpus_needed() as usize;
-        need == 0 || self.gpus.iter().filter(|g| req.gpu.fits_gpu(g.capacity, g.free)).count() >= need
+        need == 0
+            || self
+                .gpus
+                .iter()
+                .filter(|g| req.gpu.fits_gpu(g.capacity, g.free))
+                .count()
+                >= need
     }
 
     /// The first `count` idle GPUs by index, if there are that many.
@@ -398,13 +423,18 @@ impl Cluster {
     /// Mean units per GPU (1000 on the Alibaba trace): what a whole GPU counts as in "arrived workload".
     pub fn mean_gpu_capacity(&self) -> u32 {
         let n = self.gpu_count() as u64;
-        if n == 0 { 0 } else { (self.gpu_capacity_total() / n) as u32 }
+        self.gpu_capacity_total().checked_div(n).unwrap_or(0) as u32
     }
 
     /// Checks that `gpus` on `node` can serve `req`, without changing anything.
     pub fn check(&self, node: usize, req: &Request, gpus: GpuMask) -> Result<(), AllocError> {
         let n = self.nodes.get(node).ok_or(AllocError::NoSuchNode(node))?;
-        let refuse = |reason: String| Err(AllocError::DoesNotFit { node: n.name.clone(), reason });
+        let refuse = |reason: String| {
+            Err(AllocError::DoesNotFit {
+                node: n.name.clone(),
+                reason,
+            })
+        };
         if !n.admits(req) {
             return refuse(format!("model, cpu or memory do not admit {req:?}"));
         }
@@ -414,7 +444,10 @@ impl Cluster {
         if gpus.count() != req.gpu.gpus_needed() {
             return refuse(format!("{} GPUs chosen for {:?}", gpus.count(), req.gpu));
         }
-        if let Some(i) = gpus.iter().find(|&i| !req.gpu.fits_gpu(n.gpus[i].capacity, n.gpus[i].free)) {
+        if let Some(i) = gpus
+            .iter()
+            .find(|&i| !req.gpu.fits_gpu(n.gpus[i].capacity, n.gpus[i].free))
+        {
             return refuse(format!("GPU {i} cannot serve {:?}", req.gpu));
         }
         Ok(())
@@ -446,7 +479,9 @@ impl Cluster {
             GpuDemand::Shared { amount } => amount,
             _ => g.capacity,
         };
-        let bad_gpu = gpus.iter().any(|i| i >= n.gpus.len() || n.gpus[i].free + give_back(&n.gpus[i]) > n.gpus[i].capacity);
+        let bad_gpu = gpus
+            .iter()
+            .any(|i| i >= n.gpus.len() || n.gpus[i].free + give_back(&n.gpus[i]) > n.gpus[i].capacity);
         if bad_gpu
             || n.cpu_free + req.cpu_milli > n.cpu_capacity
             || n.memory_free + req.memory_mib > n.memory_capacity
@@ -487,19 +522,37 @@ pub trait Policy: Send {
     fn score(&mut self, cluster: &Cluster, req: &Request, rng: &mut dyn Rng, out: &mut Vec<Candidate>);
 }
 
-/// The highest-scoring candidate; ties are broken uniformly at random, as kube-scheduler's selectHost.
-pub fn select(candidates: &[Candidate], rng: &mut dyn Rng) -> Option<Candidate> {
+/// How [`select`] breaks ties between equally scored nodes.
+#[derive(Debug, Clone, Copy)]
+pub enum TieBreak<'a> {
+    /// Uniformly at random (upstream kube-scheduler's selectHost).
+    Random,
+    /// The node with the lowest rank (`rank[node]`) wins. The FGD artifact's patched kube-scheduler
+    /// picks the smallest node name, and names carry a random per-run prefix: a fixed random ranking.
+    Rank(&'a [u32]),
+}
+
+/// The highest-scoring candidate, ties broken by `tie`.
+pub fn select(candidates: &[Candidate], tie: TieBreak<'_>, rng: &mut dyn Rng) -> Option<Candidate> {
     let mut best: Option<Candidate> = None;
     let mut ties = 0u32;
     for c in candidates {
         match best {
             Some(b) if c.score < b.score => {}
-            Some(b) if c.score == b.score => {
-                ties += 1;
-                if rng.random_range(0..ties) == 0 {
-                    best = Some(*c);
+            Some(b) if c.score == b.score => match tie {
+                TieBreak::Random => {
+                    ties += 1;
+                    if rng.random_range(0..ties) == 0 {
+                        best = Some(*c);
+                    }
                 }
-            }
+                TieBreak::Rank(rank) => {
+                    let r = |n: u32| rank.get(n as usize).copied().unwrap_or(u32::MAX);
+                    if r(c.node) < r(b.node) {
+                        best = Some(*c);
+                    }
+                }
+            },
             _ => {
                 best = Some(*c);
                 ties = 1;
@@ -509,24 +562,34 @@ pub fn select(candidates: &[Candidate], rng: &mut dyn Rng) -> Option<Candidate> 
     best
 }
 
-/// Scores `req` with `policy`, picks the winner and allocates it. Returns the chosen node, or `None`
-/// when no node can host the pod.
+/// Scores `req` with `policy`, picks the winner and allocates it. Returns the chosen candidate, or
+/// `None` when no node can host the pod.
 pub fn place(
     policy: &mut dyn Policy,
     cluster: &mut Cluster,
     req: &Request,
+    tie: TieBreak<'_>,
     rng: &mut dyn Rng,
     scratch: &mut Vec<Candidate>,
 ) -> Result<Option<Candidate>, AllocError> {
     policy.score(cluster, req, rng, scratch);
-    let Some(best) = select(scratch, rng) else { return Ok(None) };
+    let Some(best) = select(scratch, tie, rng) else {
+        return Ok(None);
+    };
     cluster.allocate(best.node as usize, req, best.gpus)?;
     Ok(Some(best))
 }
 
 /// The policies `gpumem simulate` knows, in the order it reports them.
-pub const POLICY_NAMES: [&str; 7] =
-    ["Random", "DotProduct", "GpuClustering", "GpuPacking", "BestFit", "FGD", "gpumem"];
+pub const POLICY_NAMES: [&str; 7] = [
+    "Random",
+    "DotProduct",
+    "GpuClustering",
+    "GpuPacking",
+    "BestFit",
+    "FGD",
+    "gpumem",
+];
 
 /// Builds the policy called `name` (case-insensitive; "DotProd" is accepted for DotProduct) for a
 /// cluster like `cluster`, with `mix` as the typical workload the fragmentation-aware policies protect.
@@ -540,7 +603,14 @@ pub fn build_policy(name: &str, cluster: &Cluster, mix: &TypicalMix) -> Option<B
         "bestfit" => Box::new(baselines::BestFit::new(spec)),
         "fgd" => Box::new(fgd::Fgd::new(FragModel::new(mix, &cluster.models, false))),
         "gpumem" => Box::new(gpumem::Gpumem::new(mix, cluster)),
-        _ => return None,
+        other => match other.strip_prefix("gpumem:") {
+            Some(spec) => Box::new(gpumem::Gpumem::with_options(
+                mix,
+                cluster,
+                gpumem::Options::parse(spec)?,
+            )),
+            None => return None,
+        },
     };
     Some(p)
 }
@@ -551,7 +621,10 @@ pub fn canonical_policy_name(name: &str) -> Option<&'static str> {
     if lower == "dotprod" {
         return Some("DotProduct");
     }
-    POLICY_NAMES.iter().copied().find(|p| p.to_ascii_lowercase() == lower)
+    POLICY_NAMES
+        .iter()
+        .copied()
+        .find(|p| p.to_ascii_lowercase() == lower)
 }
 
 #[cfg(test)]
@@ -565,7 +638,13 @@ pub(crate) mod testutil {
 
     /// A node of `frees.len()` GPUs of 1000 milli with the given free amounts.
     pub fn node(name: &str, cpu_free: u64, frees: &[u32]) -> Node {
-        let mut n = Node::new(name, 0, 64_000, 256_000, frees.iter().map(|_| Gpu::new(1000)).collect());
+        let mut n = Node::new(
+            name,
+            0,
+            64_000,
+            256_000,
+            frees.iter().map(|_| Gpu::new(1000)).collect(),
+        );
         n.cpu_free = cpu_free;
         for (g, &f) in n.gpus.iter_mut().zip(frees) {
             g.free = f;
@@ -628,25 +707,39 @@ mod tests {
         c.allocate(0, &req, GpuMask::single(1)).expect("fits");
         assert_eq!(c.nodes[0].gpus[1].free, 50);
         assert!(c.allocate(0, &req, GpuMask::single(1)).is_err(), "only 50 left");
-        assert!(c.allocate(0, &Request::whole(1000, 0, 1), GpuMask::single(1)).is_err(), "GPU 1 is shared");
+        assert!(
+            c.allocate(0, &Request::whole(1000, 0, 1), GpuMask::single(1))
+                .is_err(),
+            "GPU 1 is shared"
+        );
         c.release(0, &req, GpuMask::single(1)).expect("release");
         assert_eq!(c.nodes[0], before);
         assert!(c.release(0, &req, GpuMask::single(1)).is_err(), "double release");
     }
 
     #[test]
-    fn select_breaks_ties_uniformly() {
-        let cands: Vec<Candidate> =
-            (0..4).map(|i| Candidate { node: i, score: if i == 0 { 1.0 } else { 5.0 }, gpus: GpuMask::EMPTY }).collect();
+    fn select_breaks_ties_uniformly_or_by_rank() {
+        let cands: Vec<Candidate> = (0..4)
+            .map(|i| Candidate {
+                node: i,
+                score: if i == 0 { 1.0 } else { 5.0 },
+                gpus: GpuMask::EMPTY,
+            })
+            .collect();
         let mut r = rng();
         let mut hits = [0u32; 4];
         for _ in 0..3000 {
-            hits[select(&cands, &mut r).expect("some").node as usize] += 1;
+            hits[select(&cands, TieBreak::Random, &mut r).expect("some").node as usize] += 1;
         }
         assert_eq!(hits[0], 0);
         for h in &hits[1..] {
             assert!((800..1200).contains(h), "{hits:?}");
         }
-        assert!(select(&[], &mut r).is_none());
+        assert!(select(&[], TieBreak::Random, &mut r).is_none());
+        let rank = [0, 9, 2, 5];
+        assert_eq!(
+            select(&cands, TieBreak::Rank(&rank), &mut r).map(|c| c.node),
+            Some(2)
+        );
     }
 }

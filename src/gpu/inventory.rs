@@ -61,7 +61,13 @@ impl GpuInventory {
         let topology = (0..n as u32)
             .map(|a| {
                 (0..n as u32)
-                    .map(|b| if a == b { Ok(TopologyLevel::Internal) } else { source.topology(a, b) })
+                    .map(|b| {
+                        if a == b {
+                            Ok(TopologyLevel::Internal)
+                        } else {
+                            source.topology(a, b)
+                        }
+                    })
                     .collect::<Result<Vec<_>, _>>()
             })
             .collect::<Result<Vec<_>, _>>()?;

@@ -130,9 +130,10 @@ impl HealthEvents {
         match self.events.recv_timeout(timeout) {
             Ok(event) => Ok(Some(event)),
             Err(mpsc::RecvTimeoutError::Timeout) => Ok(None),
-            Err(mpsc::RecvTimeoutError::Disconnected) => {
-                Err(GpuError::Nvml { call: "nvmlEventSetWait_v2", message: "the XID watch has ended".into() })
-            }
+            Err(mpsc::RecvTimeoutError::Disconnected) => Err(GpuError::Nvml {
+                call: "nvmlEventSetWait_v2",
+                message: "the XID watch has ended".into(),
+            }),
         }
     }
 }

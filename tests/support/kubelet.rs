@@ -23,7 +23,7 @@
 
 #![allow(dead_code)]
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::fmt::Write as _;
 use std::io;
 use std::os::fd::AsFd;
@@ -70,6 +70,9 @@ pub const DIAL_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Pause between two dial attempts while [`DIAL_TIMEOUT`] has not passed.
 const DIAL_RETRY: Duration = Duration::from_millis(100);
+
+/// Device lists are all kept until they hold this many devices in all; then the oldest go.
+pub const LIST_HISTORY_DEVICES: usize = 1 << 20;
 
 /// The device manager's checkpoint file, which lives in the device-plugin directory and survives
 /// the directory cleanup at kubelet start.
@@ -281,8 +284,13 @@ struct Resource {
     clients: Vec<PluginClient>,
     /// Id of the newest registration's client (the kubelet's endpoint for the resource).
     current: Option<u64>,
-    /// Every `ListAndWatch` message received, oldest first (from any client of the resource).
-    lists: Vec<Vec<Device>>,
+    /// The `ListAndWatch` messages received (from any client of the resource), oldest first;
+    /// the oldest are dropped once they hold more than [`LIST_HISTORY_DEVICES`] devices in all.
+    lists: VecDeque<Arc<Vec<Device>>>,
+    /// How many messages were dropped from the front of `lists`.
+    lists_dropped: usize,
+    /// Devices held in `lists`.
+    lists_devices: usize,
     /// The kubelet's view of health: set from each list; on a disconnect every healthy device
     /// becomes unhealthy.
     healthy: BTreeSet<String>,
@@ -365,7 +373,13 @@ impl Shared {
             .filter(|d| d.health != HEALTHY)
             .map(|d| d.id.clone())
             .collect();
-        r.lists.push(devices);
+        r.lists_devices += devices.len();
+        r.lists.push_back(Arc::new(devices));
+        while r.lists_devices > LIST_HISTORY_DEVICES && r.lists.len() > 1 {
+            let dropped = r.lists.pop_front().expect("more than one list");
+            r.lists_devices -= dropped.len();
+            r.lists_dropped += 1;
+        }
         self.write_checkpoint(&state);
         drop(state);
         self.bump();
@@ -481,7 +495,8 @@ impl RegistrationService {
         }
 
         let resource = request.resource_name.clone();
-        let endpoint = self.shared.dir.join(&request.endpoint);
+        // Go's filepath.Join(dir, endpoint): the endpoint stays inside the directory.
+        let endpoint = self.shared.dir.join(request.endpoint.trim_start_matches('/'));
         let conns = Arc::new(ConnSet::default());
         let channel = match dial(&endpoint, &conns).await {
             Ok(channel) => channel,
@@ -685,17 +700,20 @@ impl FakeKubelet {
 
     /// The latest device list received for `resource` (empty before the first one).
     pub fn devices(&self, resource: &str) -> Vec<Device> {
-        self.with(resource, |r| r.lists.last().cloned().unwrap_or_default())
+        self.with(resource, |r| {
+            r.lists.back().map(|l| l.to_vec()).unwrap_or_default()
+        })
     }
 
-    /// Every device list received for `resource`, oldest first.
+    /// The device lists received for `resource`, oldest first: all of them, unless they hold
+    /// more than [`LIST_HISTORY_DEVICES`] devices in all, in which case the oldest are left out.
     pub fn lists(&self, resource: &str) -> Vec<Vec<Device>> {
-        self.with(resource, |r| r.lists.clone())
+        self.with(resource, |r| r.lists.iter().map(|l| l.to_vec()).collect())
     }
 
-    /// How many `ListAndWatch` messages have been received for `resource`.
+    /// How many `ListAndWatch` messages have been received for `resource` (all of them).
     pub fn list_count(&self, resource: &str) -> usize {
-        self.with(resource, |r| r.lists.len())
+        self.with(resource, |r| r.lists_dropped + r.lists.len())
     }
 
     /// Waits for a device list of `resource` satisfying `predicate` (the latest one at the time of
@@ -710,13 +728,15 @@ impl FakeKubelet {
         let mut next = self.list_count(resource).saturating_sub(1);
         let found = self
             .wait_until(timeout, |state| {
-                let lists = state
-                    .resources
-                    .get(resource)
-                    .map(|r| r.lists.as_slice())
-                    .unwrap_or_default();
-                let hit = lists.iter().skip(next).find(|list| predicate(list)).cloned();
-                next = lists.len();
+                let r = state.resources.get(resource)?;
+                let first = next.saturating_sub(r.lists_dropped);
+                let hit = r
+                    .lists
+                    .iter()
+                    .skip(first)
+                    .find(|list| predicate(list))
+                    .map(|l| l.to_vec());
+                next = r.lists_dropped + r.lists.len();
                 hit
             })
             .await;

@@ -1,0 +1,867 @@
+//! The GPU memory accounting file shared by every process of a container.
+//!
+//! `libgpumem_cuda.so` (the `gpumem-cuda-shim` package) counts each device allocation of each process
+//! of a container in one small file, `<GPUMEM_ACCOUNTING_DIR>/gpumem-accounting`, which every process
+//! maps `MAP_SHARED`: the limit is enforced across all of them with one atomic compare-and-swap on the
+//! device's `used` counter. The agent mounts the directory (one per container) and reads the same file
+//! with [`read_usage`] to export real per-container usage as metrics.
+//!
+//! # File format, version 1
+//!
+//! Native-endian (the file never leaves the node), fixed size [`FILE_SIZE`], all counters 8-byte
+//! aligned 64-bit atomics:
+//!
+//! | offset | field |
+//! |---|---|
+//! | 0 | magic `b"GPUMEMAC"` (written last, with release ordering: a reader that sees it sees the rest) |
+//! | 8 | version (u32, [`VERSION`]) |
+//! | 12, 16, 20 | [`MAX_DEVICES`], [`MAX_SLOTS`], slot size (u32 each) |
+//! | 24 | file size (u64) |
+//! | 64 | `limit[MAX_DEVICES]`: bytes, [`UNLIMITED`] for none (written once, at creation) |
+//! | 192 | `used[MAX_DEVICES]`: bytes in use by the container (all processes) |
+//! | 384 | `MAX_SLOTS` process slots of 192 bytes: `owner` (0 free, `u64::MAX` busy, else the PID), `start_time` (clock ticks after boot, field 22 of `/proc/<pid>/stat`, to tell a reused PID from its dead owner), `used[MAX_DEVICES]` |
+//!
+//! Invariant, whenever no allocation is in flight: `used[d]` = the sum of `slot.used[d]` over the
+//! slots plus the usage of processes that got no slot (only when all slots are taken).
+//!
+//! Device indices are CUDA device ordinals of the container (see `docs/enforcement.md`).
+//!
+//! # Who writes what
+//!
+//! - Creation: the first process to open the file sizes and initialises it under an exclusive `flock`
+//!   (later openers wait on the lock, then validate magic, version and size). Mode `0666` (forced
+//!   past the umask): the processes of one container may run as different users, and the directory
+//!   itself is private to the container.
+//! - Allocation: [`Accounting::try_reserve`] (CAS against the limit) then [`Accounting::charge`] on the
+//!   process's own slot; frees undo both ([`Accounting::release`], [`Accounting::discharge`]).
+//! - Reaping: any process may reclaim the slot of a dead process ([`Accounting::reap`]): it wins the
+//!   slot with a CAS on `owner` (so two reapers never subtract twice), subtracts the slot's usage from
+//!   `used` and frees the slot. The driver frees a dead process's device memory itself; this only
+//!   corrects the books. A process killed between its two counter updates of one allocation (two
+//!   adjacent instructions) leaves an error of that one allocation; nothing else can go wrong.
+//!
+//! Nothing in the file is trusted by a reader: it is writable by the container, so a process could
+//! write anything into it. The shim is not a security boundary (a process can always talk to the
+//! driver directly); it keeps honest programs within their share.
+
+use std::fmt;
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+
+/// The file's name inside the accounting directory.
+pub const FILE_NAME: &str = "gpumem-accounting";
+/// The first 8 bytes of a valid file.
+pub const MAGIC: u64 = u64::from_ne_bytes(*b"GPUMEMAC");
+/// The layout version this crate reads and writes.
+pub const VERSION: u32 = 1;
+/// Devices per container the file has counters for (CUDA ordinals `0..MAX_DEVICES`).
+pub const MAX_DEVICES: usize = 16;
+/// Processes per container that can hold a slot at once.
+pub const MAX_SLOTS: usize = 1024;
+/// A limit of `UNLIMITED` bytes means the device is counted but not limited.
+pub const UNLIMITED: u64 = u64::MAX;
+
+/// One limit (bytes) per device ordinal.
+pub type Limits = [u64; MAX_DEVICES];
+
+const OWNER_FREE: u64 = 0;
+const OWNER_BUSY: u64 = u64::MAX;
+
+#[repr(C)]
+struct Header {
+    magic: AtomicU64,
+    version: AtomicU32,
+    max_devices: AtomicU32,
+    max_slots: AtomicU32,
+    slot_size: AtomicU32,
+    file_size: AtomicU64,
+    _reserved: [AtomicU64; 4],
+    limit: [AtomicU64; MAX_DEVICES],
+    used: [AtomicU64; MAX_DEVICES],
+    _pad: [AtomicU64; 8],
+}
+
+#[repr(C)]
+struct Slot {
+    owner: AtomicU64,
+    start_time: AtomicU64,
+    used: [AtomicU64; MAX_DEVICES],
+    _pad: [AtomicU64; 6],
+}
+
+const HEADER_SIZE: usize = size_of::<Header>();
+const SLOT_SIZE: usize = size_of::<Slot>();
+/// The size of a version-1 file in bytes.
+pub const FILE_SIZE: usize = HEADER_SIZE + MAX_SLOTS * SLOT_SIZE;
+
+const _: () = {
+    assert!(HEADER_SIZE == 384);
+    assert!(SLOT_SIZE == 192);
+    assert!(std::mem::offset_of!(Header, limit) == 64);
+    assert!(std::mem::offset_of!(Header, used) == 192);
+    assert!(std::mem::offset_of!(Slot, used) == 16);
+};
+
+/// Why the accounting file could not be used.
+#[derive(Debug)]
+pub enum Error {
+    /// An I/O call failed; `what` says which, on which path.
+    Io { what: String, source: io::Error },
+    /// The file exists but is not a version-1 accounting file of the expected size.
+    Incompatible { path: PathBuf, reason: String },
+}
+
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Error::Io { what, source } => write!(f, "{what}: {source}"),
+            Error::Incompatible { path, reason } => {
+                write!(
+                    f,
+                    "{} is not a gpumem accounting file this version can use: {reason}",
+                    path.display()
+                )
+            }
+        }
+    }
+}
+
+impl std::error::Error for Error {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            Error::Io { source, .. } => Some(source),
+            Error::Incompatible { .. } => None,
+        }
+    }
+}
+
+fn io_error(what: impl FnOnce() -> String) -> impl FnOnce(io::Error) -> Error {
+    move |source| Error::Io { what: what(), source }
+}
+
+/// A mapping of the whole file (or of anonymous shared memory), unmapped on drop.
+struct Mapping {
+    ptr: NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: the mapping is plain memory accessed only through atomics.
+unsafe impl Send for Mapping {}
+// SAFETY: as above.
+unsafe impl Sync for Mapping {}
+
+impl Mapping {
+    /// Maps `FILE_SIZE` bytes of `fd` (or anonymous memory for `None`).
+    fn new(fd: Option<&File>, writable: bool) -> io::Result<Self> {
+        let prot = if writable {
+            libc::PROT_READ | libc::PROT_WRITE
+        } else {
+            libc::PROT_READ
+        };
+        let (flags, raw) = match fd {
+            Some(file) => (libc::MAP_SHARED, file.as_raw_fd()),
+            None => (libc::MAP_SHARED | libc::MAP_ANONYMOUS, -1),
+        };
+        // SAFETY: a fresh mapping chosen by the kernel; the arguments are valid.
+        let ptr = unsafe { libc::mmap(std::ptr::null_mut(), FILE_SIZE, prot, flags, raw, 0) };
+        if ptr == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        let ptr = NonNull::new(ptr.cast::<u8>()).ok_or_else(|| io::Error::other("mmap returned null"))?;
+        Ok(Self { ptr, len: FILE_SIZE })
+    }
+
+    fn header(&self) -> &Header {
+        // SAFETY: the mapping is FILE_SIZE >= HEADER_SIZE bytes, page-aligned, and lives as long as
+        // `self`; every field is an atomic, valid for any bit pattern.
+        unsafe { &*self.ptr.as_ptr().cast::<Header>() }
+    }
+
+    fn slot(&self, index: usize) -> Option<&Slot> {
+        if index >= MAX_SLOTS {
+            return None;
+        }
+        // SAFETY: in bounds (index < MAX_SLOTS), 64-byte aligned; atomics only.
+        Some(unsafe {
+            &*self
+                .ptr
+                .as_ptr()
+                .add(HEADER_SIZE + index * SLOT_SIZE)
+                .cast::<Slot>()
+        })
+    }
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: the mapping was created by `Mapping::new` with this length and is not used after.
+        unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len) };
+    }
+}
+
+/// A process slot won by [`Accounting::claim_slot`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SlotId(usize);
+
+impl SlotId {
+    /// The slot's index in the file.
+    pub fn index(self) -> usize {
+        self.0
+    }
+}
+
+/// How a file was attached.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Opened {
+    /// This call created and initialised the file.
+    Created,
+    /// The file existed with the same limits.
+    Existing,
+    /// The file existed with other limits; this process enforces its own ([`Accounting::limit`]).
+    LimitsDiffer,
+}
+
+/// The writer's view: a mapped accounting file (or process-private shared memory).
+pub struct Accounting {
+    map: Mapping,
+    /// The limits this process enforces (its own environment's), kept process-local so the hot path
+    /// does not read them from a file any process of the container could write.
+    limits: Limits,
+}
+
+impl fmt::Debug for Accounting {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Accounting")
+            .field("limits", &self.limits)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Accounting {
+    /// Opens `<dir>/gpumem-accounting`, creating and initialising it with `limits` if it does not
+    /// exist or is empty. The directory must exist.
+    pub fn open_or_create(dir: &Path, limits: &Limits) -> Result<(Self, Opened), Error> {
+        let path = dir.join(FILE_NAME);
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .mode(0o666)
+            .custom_flags(libc::O_CLOEXEC | libc::O_NOFOLLOW)
+            .open(&path)
+            .map_err(io_error(|| format!("cannot open {}", path.display())))?;
+        let _lock =
+            FileLock::exclusive(&file).map_err(io_error(|| format!("cannot lock {}", path.display())))?;
+        let len = file
+            .metadata()
+            .map_err(io_error(|| format!("cannot stat {}", path.display())))?
+            .len();
+        if len == 0 {
+            // Every process of the container must be able to write it, whatever its user; the
+            // umask must not take that away. Only the owner may chmod; another user finding an
+            // empty file left by a creator that died is still fine with the creator's mode.
+            // SAFETY: plain syscall on an open descriptor.
+            unsafe { libc::fchmod(file.as_raw_fd(), 0o666) };
+            file.set_len(FILE_SIZE as u64)
+                .map_err(io_error(|| format!("cannot size {}", path.display())))?;
+            let map = Mapping::new(Some(&file), true)
+                .map_err(io_error(|| format!("cannot map {}", path.display())))?;
+            let accounting = Self { map, limits: *limits };
+            accounting.initialise();
+            return Ok((accounting, Opened::Created));
+        }
+        if len != FILE_SIZE as u64 {
+            return Err(Error::Incompatible {
+                path,
+                reason: format!("size {len}, expected {FILE_SIZE}"),
+            });
+        }
+        let map =
+            Mapping::new(Some(&file), true).map_err(io_error(|| format!("cannot map {}", path.display())))?;
+        validate(map.header()).map_err(|reason| Error::Incompatible { path, reason })?;
+        let same = map
+            .header()
+            .limit
+            .iter()
+            .zip(limits)
+            .all(|(stored, mine)| stored.load(Ordering::Relaxed) == *mine);
+        let opened = if same {
+            Opened::Existing
+        } else {
+            Opened::LimitsDiffer
+        };
+        Ok((Self { map, limits: *limits }, opened))
+    }
+
+    /// Process-private accounting (no directory given): the same counters in anonymous memory, so
+    /// the limit holds per process.
+    pub fn anonymous(limits: &Limits) -> Result<Self, Error> {
+        let map = Mapping::new(None, true).map_err(io_error(|| "cannot map anonymous memory".to_owned()))?;
+        let accounting = Self { map, limits: *limits };
+        accounting.initialise();
+        Ok(accounting)
+    }
+
+    fn initialise(&self) {
+        let header = self.map.header();
+        header.version.store(VERSION, Ordering::Relaxed);
+        header.max_devices.store(MAX_DEVICES as u32, Ordering::Relaxed);
+        header.max_slots.store(MAX_SLOTS as u32, Ordering::Relaxed);
+        header.slot_size.store(SLOT_SIZE as u32, Ordering::Relaxed);
+        header.file_size.store(FILE_SIZE as u64, Ordering::Relaxed);
+        for (stored, limit) in header.limit.iter().zip(&self.limits) {
+            stored.store(*limit, Ordering::Relaxed);
+        }
+        header.magic.store(MAGIC, Ordering::Release);
+    }
+
+    /// The limit of device `device` in bytes ([`UNLIMITED`] for none or out of range).
+    #[inline]
+    pub fn limit(&self, device: usize) -> u64 {
+        self.limits.get(device).copied().unwrap_or(UNLIMITED)
+    }
+
+    /// Bytes in use on `device` by the whole container (0 out of range).
+    #[inline]
+    pub fn used(&self, device: usize) -> u64 {
+        self.map
+            .header()
+            .used
+            .get(device)
+            .map_or(0, |u| u.load(Ordering::Relaxed))
+    }
+
+    /// Reserves `bytes` on `device` if that keeps the container within its limit: one atomic
+    /// read-modify-write on the shared counter. Out-of-range devices are not limited (nor counted).
+    #[inline]
+    pub fn try_reserve(&self, device: usize, bytes: u64) -> bool {
+        let (Some(used), Some(&limit)) = (self.map.header().used.get(device), self.limits.get(device)) else {
+            return true;
+        };
+        used.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |current| {
+            current.checked_add(bytes).filter(|&after| after <= limit)
+        })
+        .is_ok()
+    }
+
+    /// Gives back `bytes` reserved on `device` (never below zero).
+    #[inline]
+    pub fn release(&self, device: usize, bytes: u64) {
+        if let Some(used) = self.map.header().used.get(device) {
+            saturating_sub(used, bytes);
+        }
+    }
+
+    /// Adds `bytes` to this process's own usage of `device` in `slot` (uncontended: only this
+    /// process writes its slot's counters).
+    #[inline]
+    pub fn charge(&self, slot: SlotId, device: usize, bytes: u64) {
+        if let Some(counter) = self.map.slot(slot.0).and_then(|s| s.used.get(device)) {
+            counter.fetch_add(bytes, Ordering::Relaxed);
+        }
+    }
+
+    /// Takes `bytes` off this process's own usage of `device` in `slot` (never below zero).
+    #[inline]
+    pub fn discharge(&self, slot: SlotId, device: usize, bytes: u64) {
+        if let Some(counter) = self.map.slot(slot.0).and_then(|s| s.used.get(device)) {
+            saturating_sub(counter, bytes);
+        }
+    }
+
+    /// Takes a free slot for process `pid` (started at `start_time`, see [`process_start_time`]).
+    ///
+    /// A slot already holding the same `pid` and `start_time` belongs to an earlier image of this
+    /// very process (before an `exec`, whose device memory the driver has freed): it is reclaimed
+    /// and reused. Returns `None` when every slot is taken by a live process (reap first).
+    pub fn claim_slot(&self, pid: u32, start_time: u64) -> Option<SlotId> {
+        let me = u64::from(pid);
+        if me == OWNER_FREE {
+            return None;
+        }
+        for index in 0..MAX_SLOTS {
+            let slot = self.map.slot(index)?;
+            if slot.owner.load(Ordering::Acquire) == me
+                && slot.start_time.load(Ordering::Relaxed) == start_time
+                && self.take_over(slot, me)
+            {
+                slot.owner.store(me, Ordering::Release);
+                return Some(SlotId(index));
+            }
+        }
+        for index in 0..MAX_SLOTS {
+            let slot = self.map.slot(index)?;
+            if slot
+                .owner
+                .compare_exchange(OWNER_FREE, OWNER_BUSY, Ordering::Acquire, Ordering::Relaxed)
+                .is_ok()
+            {
+                for counter in &slot.used {
+                    counter.store(0, Ordering::Relaxed);
+                }
+                slot.start_time.store(start_time, Ordering::Relaxed);
+                slot.owner.store(me, Ordering::Release);
+                return Some(SlotId(index));
+            }
+        }
+        None
+    }
+
+    /// Gives the slot back at a clean exit, with whatever usage it still holds (the driver frees
+    /// the memory of an exiting process).
+    pub fn release_slot(&self, slot: SlotId, pid: u32) {
+        if let Some(s) = self.map.slot(slot.0)
+            && self.take_over(s, u64::from(pid))
+        {
+            s.owner.store(OWNER_FREE, Ordering::Release);
+        }
+    }
+
+    /// Reclaims the slots of processes for which `alive(pid, start_time)` is false: their usage is
+    /// subtracted from the device counters and the slot freed. Returns the bytes reclaimed.
+    pub fn reap(&self, mut alive: impl FnMut(u32, u64) -> bool) -> u64 {
+        let mut reclaimed = 0;
+        for index in 0..MAX_SLOTS {
+            let Some(slot) = self.map.slot(index) else { break };
+            let owner = slot.owner.load(Ordering::Acquire);
+            if owner == OWNER_FREE || owner == OWNER_BUSY {
+                continue;
+            }
+            let Ok(pid) = u32::try_from(owner) else {
+                // Garbage written into the file: free the slot without touching the counters.
+                let _ = slot
+                    .owner
+                    .compare_exchange(owner, OWNER_FREE, Ordering::AcqRel, Ordering::Relaxed);
+                continue;
+            };
+            if alive(pid, slot.start_time.load(Ordering::Relaxed)) {
+                continue;
+            }
+            let before: u64 = slot.used.iter().map(|u| u.load(Ordering::Relaxed)).sum();
+            if self.take_over(slot, owner) {
+                slot.owner.store(OWNER_FREE, Ordering::Release);
+                reclaimed += before;
+            }
+        }
+        reclaimed
+    }
+
+    /// Wins `slot` from `owner` (CAS to busy) and moves its usage out of the device counters.
+    /// The caller then stores the new owner.
+    fn take_over(&self, slot: &Slot, owner: u64) -> bool {
+        if slot
+            .owner
+            .compare_exchange(owner, OWNER_BUSY, Ordering::AcqRel, Ordering::Relaxed)
+            .is_err()
+        {
+            return false;
+        }
+        let header = self.map.header();
+        for (counter, used) in slot.used.iter().zip(&header.used) {
+            let bytes = counter.swap(0, Ordering::Relaxed);
+            saturating_sub(used, bytes);
+        }
+        true
+    }
+
+    /// A snapshot of the whole file, as [`read_usage`] gives it.
+    pub fn snapshot(&self) -> Usage {
+        snapshot(&self.map)
+    }
+}
+
+fn saturating_sub(counter: &AtomicU64, bytes: u64) {
+    let _ = counter.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |c| {
+        Some(c.saturating_sub(bytes))
+    });
+}
+
+fn validate(header: &Header) -> Result<(), String> {
+    let magic = header.magic.load(Ordering::Acquire);
+    if magic != MAGIC {
+        return Err(format!("bad magic {magic:#018x}"));
+    }
+    let version = header.version.load(Ordering::Relaxed);
+    if version != VERSION {
+        return Err(format!("layout version {version}, this build reads {VERSION}"));
+    }
+    let shape = (
+        header.max_devices.load(Ordering::Relaxed) as usize,
+        header.max_slots.load(Ordering::Relaxed) as usize,
+        header.slot_size.load(Ordering::Relaxed) as usize,
+        header.file_size.load(Ordering::Relaxed),
+    );
+    if shape != (MAX_DEVICES, MAX_SLOTS, SLOT_SIZE, FILE_SIZE as u64) {
+        return Err(format!(
+            "unexpected shape (devices, slots, slot size, file size) = {shape:?}"
+        ));
+    }
+    Ok(())
+}
+
+/// Holds an `flock` for as long as it lives.
+struct FileLock<'a>(&'a File);
+
+impl<'a> FileLock<'a> {
+    fn exclusive(file: &'a File) -> io::Result<Self> {
+        loop {
+            // SAFETY: plain syscall on an open descriptor.
+            if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX) } == 0 {
+                return Ok(Self(file));
+            }
+            let error = io::Error::last_os_error();
+            if error.kind() != io::ErrorKind::Interrupted {
+                return Err(error);
+            }
+        }
+    }
+}
+
+impl Drop for FileLock<'_> {
+    fn drop(&mut self) {
+        // SAFETY: plain syscall on an open descriptor.
+        unsafe { libc::flock(self.0.as_raw_fd(), libc::LOCK_UN) };
+    }
+}
+
+// -------------------------------------------------------------------------------------------------
+// Reader (the agent)
+
+/// One device's counters.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeviceUsage {
+    /// The CUDA device ordinal inside the container.
+    pub index: u32,
+    /// The limit in bytes the file was created with (`None`: not limited).
+    pub limit: Option<u64>,
+    /// Bytes in use by all processes of the container.
+    pub used: u64,
+}
+
+/// One process's usage (a process that holds a slot).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProcessUsage {
+    /// The PID, in the container's PID namespace.
+    pub pid: u32,
+    /// Bytes in use per device ordinal.
+    pub used: Limits,
+}
+
+/// What a container uses, from its accounting file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Usage {
+    /// Every device of the file, in ordinal order ([`MAX_DEVICES`] entries).
+    pub devices: Vec<DeviceUsage>,
+    /// Every process holding a slot, whether or not it still runs (the shim's processes reap dead
+    /// ones; the agent, in another PID namespace, cannot tell).
+    pub processes: Vec<ProcessUsage>,
+}
+
+impl Usage {
+    /// Bytes in use on all devices together.
+    pub fn total_used(&self) -> u64 {
+        self.devices.iter().map(|d| d.used).fold(0, u64::saturating_add)
+    }
+}
+
+/// Reads `<dir>/gpumem-accounting` without changing it (read-only mapping, no lock).
+///
+/// `Ok(None)`: no file yet, or one still being created (no process of the container has used
+/// CUDA). An existing file of another version or size is an error.
+pub fn read_usage(dir: &Path) -> Result<Option<Usage>, Error> {
+    let path = dir.join(FILE_NAME);
+    let file = match OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_CLOEXEC | libc::O_NOFOLLOW)
+        .open(&path)
+    {
+        Ok(file) => file,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(io_error(|| format!("cannot open {}", path.display()))(e)),
+    };
+    let len = file
+        .metadata()
+        .map_err(io_error(|| format!("cannot stat {}", path.display())))?
+        .len();
+    if len == 0 {
+        return Ok(None);
+    }
+    if len != FILE_SIZE as u64 {
+        return Err(Error::Incompatible {
+            path,
+            reason: format!("size {len}, expected {FILE_SIZE}"),
+        });
+    }
+    let map =
+        Mapping::new(Some(&file), false).map_err(io_error(|| format!("cannot map {}", path.display())))?;
+    if map.header().magic.load(Ordering::Acquire) == 0 {
+        return Ok(None);
+    }
+    validate(map.header()).map_err(|reason| Error::Incompatible { path, reason })?;
+    Ok(Some(snapshot(&map)))
+}
+
+fn snapshot(map: &Mapping) -> Usage {
+    let header = map.header();
+    let devices = (0..MAX_DEVICES)
+        .map(|d| {
+            let limit = header.limit[d].load(Ordering::Relaxed);
+            DeviceUsage {
+                index: d as u32,
+                limit: (limit != UNLIMITED).then_some(limit),
+                used: header.used[d].load(Ordering::Relaxed),
+            }
+        })
+        .collect();
+    let processes = (0..MAX_SLOTS)
+        .filter_map(|i| map.slot(i))
+        .filter_map(|slot| {
+            let owner = slot.owner.load(Ordering::Acquire);
+            let pid = u32::try_from(owner).ok().filter(|&p| p != 0)?;
+            Some(ProcessUsage {
+                pid,
+                used: std::array::from_fn(|d| slot.used[d].load(Ordering::Relaxed)),
+            })
+        })
+        .collect();
+    Usage { devices, processes }
+}
+
+// -------------------------------------------------------------------------------------------------
+// Liveness
+
+/// The start time of process `pid` (field 22 of `/proc/<pid>/stat`: clock ticks after boot), which
+/// with the PID identifies a process even after its PID is reused.
+pub fn process_start_time(pid: u32) -> Option<u64> {
+    let stat = std::fs::read(format!("/proc/{pid}/stat")).ok()?;
+    parse_stat(&stat).map(|(_, start)| start)
+}
+
+/// Whether process `pid`, started at `start_time`, still runs. Gone, a zombie (its device memory is
+/// already freed), or a different process under the same PID: dead. When `/proc` cannot say
+/// (permission), the process is taken to be alive: reaping a live process would corrupt the books.
+pub fn is_alive(pid: u32, start_time: u64) -> bool {
+    match std::fs::read(format!("/proc/{pid}/stat")) {
+        Ok(stat) => match parse_stat(&stat) {
+            Some((state, start)) => {
+                !matches!(state, b'Z' | b'X' | b'x') && (start_time == 0 || start == start_time)
+            }
+            None => true,
+        },
+        Err(e) => e.kind() != io::ErrorKind::NotFound,
+    }
+}
+
+/// (state, starttime) from the text of `/proc/<pid>/stat`. The command name (field 2) may hold
+/// spaces and parentheses, so fields are counted from the last `)`.
+fn parse_stat(stat: &[u8]) -> Option<(u8, u64)> {
+    let close = stat.iter().rposition(|&b| b == b')')?;
+    let rest = std::str::from_utf8(stat.get(close + 1..)?).ok()?;
+    let mut fields = rest.split_ascii_whitespace();
+    let state = fields.next()?.bytes().next()?;
+    // `rest` starts at field 3 (state); starttime is field 22.
+    let start = fields.nth(18)?.parse().ok()?;
+    Some((state, start))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn limits(first: u64) -> Limits {
+        let mut l = [UNLIMITED; MAX_DEVICES];
+        l[0] = first;
+        l
+    }
+
+    #[test]
+    fn reserve_up_to_the_limit_and_not_a_byte_more() {
+        let acct = Accounting::anonymous(&limits(1000)).expect("anonymous mapping");
+        assert!(acct.try_reserve(0, 600));
+        assert!(acct.try_reserve(0, 400));
+        assert!(!acct.try_reserve(0, 1));
+        acct.release(0, 400);
+        assert!(acct.try_reserve(0, 400));
+        assert!(!acct.try_reserve(0, u64::MAX), "no overflow past the limit");
+        assert_eq!(acct.used(0), 1000);
+        // Unlimited and out-of-range devices never refuse.
+        assert!(acct.try_reserve(1, u64::MAX / 2));
+        assert!(acct.try_reserve(MAX_DEVICES, 5));
+        acct.release(0, 5000);
+        assert_eq!(acct.used(0), 0, "release saturates at zero");
+    }
+
+    #[test]
+    fn file_is_shared_and_validated() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let (a, opened) = Accounting::open_or_create(dir.path(), &limits(1 << 20)).expect("create");
+        assert_eq!(opened, Opened::Created);
+        let (b, opened) = Accounting::open_or_create(dir.path(), &limits(1 << 20)).expect("open");
+        assert_eq!(opened, Opened::Existing);
+        let slot_a = a.claim_slot(4242, 7).expect("slot");
+        assert!(a.try_reserve(0, 700 << 10));
+        a.charge(slot_a, 0, 700 << 10);
+        assert!(
+            !b.try_reserve(0, 400 << 10),
+            "the second mapping sees the first's usage"
+        );
+        assert!(b.try_reserve(0, 300 << 10));
+        b.release(0, 300 << 10);
+
+        let usage = read_usage(dir.path()).expect("read").expect("initialised");
+        assert_eq!(
+            usage.devices[0],
+            DeviceUsage {
+                index: 0,
+                limit: Some(1 << 20),
+                used: 700 << 10
+            }
+        );
+        assert_eq!(usage.devices[1].limit, None);
+        assert_eq!(usage.processes.len(), 1);
+        assert_eq!(usage.processes[0].pid, 4242);
+        assert_eq!(usage.processes[0].used[0], 700 << 10);
+        assert_eq!(usage.total_used(), 700 << 10);
+
+        let mode = std::fs::metadata(dir.path().join(FILE_NAME))
+            .expect("stat")
+            .permissions();
+        assert_eq!(std::os::unix::fs::PermissionsExt::mode(&mode) & 0o777, 0o666);
+
+        let (_, opened) = Accounting::open_or_create(dir.path(), &limits(5)).expect("open");
+        assert_eq!(opened, Opened::LimitsDiffer);
+    }
+
+    #[test]
+    fn missing_or_foreign_files() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        assert_eq!(read_usage(dir.path()).expect("no file is fine"), None);
+        std::fs::write(dir.path().join(FILE_NAME), b"").expect("write");
+        assert_eq!(read_usage(dir.path()).expect("empty file is fine"), None);
+        std::fs::write(dir.path().join(FILE_NAME), b"not an accounting file").expect("write");
+        assert!(matches!(read_usage(dir.path()), Err(Error::Incompatible { .. })));
+        assert!(matches!(
+            Accounting::open_or_create(dir.path(), &limits(1)),
+            Err(Error::Incompatible { .. })
+        ));
+        std::fs::write(dir.path().join(FILE_NAME), vec![0xAB; FILE_SIZE]).expect("write");
+        let error = read_usage(dir.path()).expect_err("bad magic");
+        assert!(error.to_string().contains("bad magic"), "{error}");
+        assert!(Accounting::open_or_create(&dir.path().join("absent"), &limits(1)).is_err());
+    }
+
+    #[test]
+    fn an_empty_file_left_by_a_dead_creator_is_initialised() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        std::fs::write(dir.path().join(FILE_NAME), b"").expect("write");
+        let (_, opened) = Accounting::open_or_create(dir.path(), &limits(1)).expect("open");
+        assert_eq!(opened, Opened::Created);
+        assert!(read_usage(dir.path()).expect("read").is_some());
+    }
+
+    #[test]
+    fn reaping_returns_a_dead_process_share_exactly_once() {
+        let acct = Accounting::anonymous(&limits(1000)).expect("anonymous mapping");
+        let dead = acct.claim_slot(100, 1).expect("slot");
+        let live = acct.claim_slot(200, 2).expect("slot");
+        assert_ne!(dead, live);
+        for (slot, bytes) in [(dead, 600), (live, 300)] {
+            assert!(acct.try_reserve(0, bytes));
+            acct.charge(slot, 0, bytes);
+        }
+        assert!(!acct.try_reserve(0, 200));
+        assert_eq!(acct.reap(|pid, _| pid != 100), 600);
+        assert_eq!(acct.reap(|pid, _| pid != 100), 0, "a reaped slot is free");
+        assert_eq!(acct.used(0), 300);
+        assert!(acct.try_reserve(0, 700));
+        assert_eq!(
+            acct.snapshot()
+                .processes
+                .iter()
+                .map(|p| p.pid)
+                .collect::<Vec<_>>(),
+            [200]
+        );
+    }
+
+    #[test]
+    fn a_slot_of_an_earlier_image_of_the_same_process_is_reclaimed() {
+        let acct = Accounting::anonymous(&limits(1000)).expect("anonymous mapping");
+        let before_exec = acct.claim_slot(300, 9).expect("slot");
+        assert!(acct.try_reserve(0, 500));
+        acct.charge(before_exec, 0, 500);
+        let after_exec = acct.claim_slot(300, 9).expect("slot");
+        assert_eq!(before_exec, after_exec);
+        assert_eq!(acct.used(0), 0);
+        // Same PID, other start time: a different process, a different slot.
+        assert_ne!(acct.claim_slot(300, 10).expect("slot"), after_exec);
+    }
+
+    #[test]
+    fn slots_run_out_and_come_back() {
+        let acct = Accounting::anonymous(&limits(UNLIMITED)).expect("anonymous mapping");
+        for pid in 1..=MAX_SLOTS as u32 {
+            assert!(acct.claim_slot(pid, 0).is_some());
+        }
+        assert_eq!(acct.claim_slot(5000, 0), None);
+        acct.reap(|pid, _| pid % 2 == 0);
+        assert!(acct.claim_slot(5000, 0).is_some());
+        let slot = acct.claim_slot(6000, 0).expect("slot");
+        acct.release_slot(slot, 6000);
+        assert!(acct.claim_slot(7000, 0).is_some());
+    }
+
+    #[test]
+    fn concurrent_reservations_never_exceed_the_limit() {
+        let acct = Accounting::anonymous(&limits(10_000)).expect("anonymous mapping");
+        let granted = AtomicU64::new(0);
+        std::thread::scope(|s| {
+            for _ in 0..4 {
+                s.spawn(|| {
+                    for _ in 0..10_000 {
+                        if acct.try_reserve(0, 7) {
+                            granted.fetch_add(7, Ordering::Relaxed);
+                        }
+                    }
+                });
+            }
+        });
+        assert_eq!(granted.load(Ordering::Relaxed), acct.used(0));
+        assert!(acct.used(0) <= 10_000 && acct.used(0) > 10_000 - 7);
+    }
+
+    #[test]
+    fn liveness_from_proc() {
+        let me = std::process::id();
+        let start = process_start_time(me).expect("own start time");
+        assert!(is_alive(me, start));
+        assert!(is_alive(me, 0));
+        assert!(
+            !is_alive(me, start + 1),
+            "same PID, other start time: another process"
+        );
+        assert!(!is_alive(u32::MAX - 1, 0));
+        assert_eq!(
+            parse_stat(b"12 (a) b) c) S 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 424242 0"),
+            Some((b'S', 424242))
+        );
+        assert_eq!(parse_stat(b"garbage"), None);
+
+        let mut child = std::process::Command::new("true").spawn().expect("spawn true");
+        let pid = child.id();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        while is_alive(pid, 0) && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        assert!(
+            !is_alive(pid, 0),
+            "an exited child (a zombie until waited for) is dead"
+        );
+        child.wait().expect("wait");
+    }
+}

@@ -1,0 +1,305 @@
+//! The agent's settings: a YAML file (`--config`), with command-line flags on top.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::Context as _;
+use clap::{Args, ValueEnum};
+use serde::Deserialize;
+
+use crate::plugin::devices::{GPU_RESOURCE, MEM_RESOURCE};
+use crate::plugin::proto::{DEVICE_PLUGIN_DIR, POD_RESOURCES_SOCKET};
+
+/// How a container is told which GPU it got.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum DeviceListStrategy {
+    /// `NVIDIA_VISIBLE_DEVICES=<uuid>` in the container's environment (nvidia-container-runtime).
+    Envvar,
+    /// CDI device names in the `cdi_devices` field of the Allocate response (CRI-level CDI).
+    CdiCri,
+    /// CDI device names in a `cdi.k8s.io/` annotation of the Allocate response.
+    CdiAnnotations,
+}
+
+/// XIDs caused by applications rather than the GPU (NVIDIA's k8s-device-plugin skips the same set):
+/// 13 graphics engine exception, 31 memory page fault, 43 channel stopped, 45 preemptive cleanup,
+/// 68 video processor exception, 109 context switch timeout.
+pub const DEFAULT_IGNORED_XIDS: &[u64] = &[13, 31, 43, 45, 68, 109];
+
+/// Everything the agent needs to know, after the file and the flags are merged.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Config {
+    pub mem_unit_mib: u64,
+    pub gpu_resource: String,
+    pub mem_resource: String,
+    pub device_plugin_dir: PathBuf,
+    pub pod_resources_socket: PathBuf,
+    pub pod_resources_poll: Duration,
+    pub device_list_strategy: DeviceListStrategy,
+    pub ignored_xids: Vec<u64>,
+    /// An unhealthy GPU that answers again and has had no critical XID for this long is healthy again.
+    pub health_quiet_period: Duration,
+    /// How often every GPU is probed for having fallen off the bus.
+    pub health_probe_interval: Duration,
+    pub profile: Option<String>,
+    pub nvml_lib: Option<PathBuf>,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            mem_unit_mib: 1,
+            gpu_resource: GPU_RESOURCE.into(),
+            mem_resource: MEM_RESOURCE.into(),
+            device_plugin_dir: DEVICE_PLUGIN_DIR.into(),
+            pod_resources_socket: POD_RESOURCES_SOCKET.into(),
+            pod_resources_poll: Duration::from_secs(1),
+            device_list_strategy: DeviceListStrategy::Envvar,
+            ignored_xids: DEFAULT_IGNORED_XIDS.to_vec(),
+            health_quiet_period: Duration::from_secs(300),
+            health_probe_interval: Duration::from_secs(5),
+            profile: None,
+            nvml_lib: None,
+        }
+    }
+}
+
+/// The YAML file: every key optional, camelCase as in Kubernetes manifests.
+#[derive(Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct FileConfig {
+    #[serde(rename = "memUnitMiB")]
+    mem_unit_mib: Option<u64>,
+    resource_names: Option<ResourceNames>,
+    device_plugin_dir: Option<PathBuf>,
+    pod_resources_socket: Option<PathBuf>,
+    pod_resources_poll_millis: Option<u64>,
+    device_list_strategy: Option<DeviceListStrategy>,
+    health: Option<HealthFile>,
+    profile: Option<String>,
+    nvml_lib: Option<PathBuf>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ResourceNames {
+    gpu: Option<String>,
+    mem: Option<String>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct HealthFile {
+    ignored_xids: Option<Vec<u64>>,
+    quiet_period_seconds: Option<u64>,
+    probe_interval_seconds: Option<u64>,
+}
+
+/// `gpumem agent` flags; each one, when given, overrides the config file.
+#[derive(Args, Debug, Default)]
+pub struct AgentArgs {
+    /// YAML config file (keys documented in the README).
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
+    /// Memory unit of nvidia.com/gpu-mem, in MiB [default: 1].
+    #[arg(long)]
+    pub mem_unit_mib: Option<u64>,
+    /// Directory of the kubelet's registration socket and the plugins' sockets
+    /// [default: /var/lib/kubelet/device-plugins/].
+    #[arg(long, value_name = "DIR")]
+    pub device_plugin_dir: Option<PathBuf>,
+    /// The kubelet's PodResources socket [default: /var/lib/kubelet/pod-resources/kubelet.sock].
+    #[arg(long, value_name = "PATH")]
+    pub pod_resources_socket: Option<PathBuf>,
+    /// How containers are told their GPU [default: envvar].
+    #[arg(long, value_enum)]
+    pub device_list_strategy: Option<DeviceListStrategy>,
+    /// Seconds without a critical XID before an unhealthy GPU that answers again is healthy [default: 300].
+    #[arg(long, value_name = "SECONDS")]
+    pub health_quiet_period: Option<u64>,
+    /// Seconds between lost-GPU probes [default: 5].
+    #[arg(long, value_name = "SECONDS")]
+    pub health_probe_interval: Option<u64>,
+    /// Serve a simulated node (built-in profile or file) instead of this machine's GPUs: for demos.
+    #[arg(long, value_name = "NAME|FILE", conflicts_with = "nvml_lib")]
+    pub profile: Option<String>,
+    /// Load NVML from this file instead of libnvidia-ml.so.1.
+    #[arg(long, value_name = "PATH")]
+    pub nvml_lib: Option<PathBuf>,
+}
+
+impl Config {
+    /// The file (if any), then the flags.
+    pub fn load(args: &AgentArgs) -> anyhow::Result<Self> {
+        let mut config = Self::default();
+        if let Some(path) = &args.config {
+            config.apply_file(path)?;
+        }
+        set(&mut config.mem_unit_mib, args.mem_unit_mib);
+        set(&mut config.device_plugin_dir, args.device_plugin_dir.clone());
+        set(
+            &mut config.pod_resources_socket,
+            args.pod_resources_socket.clone(),
+        );
+        set(&mut config.device_list_strategy, args.device_list_strategy);
+        set(
+            &mut config.health_quiet_period,
+            args.health_quiet_period.map(Duration::from_secs),
+        );
+        set(
+            &mut config.health_probe_interval,
+            args.health_probe_interval.map(Duration::from_secs),
+        );
+        if args.profile.is_some() {
+            config.profile = args.profile.clone();
+        }
+        if args.nvml_lib.is_some() {
+            config.nvml_lib = args.nvml_lib.clone();
+        }
+        config.validate()?;
+        Ok(config)
+    }
+
+    fn apply_file(&mut self, path: &Path) -> anyhow::Result<()> {
+        let text =
+            std::fs::read_to_string(path).with_context(|| format!("reading config {}", path.display()))?;
+        let file: FileConfig = serde_norway::from_str(&text)
+            .with_context(|| format!("config {} is not valid", path.display()))?;
+        let names = file.resource_names.unwrap_or_default();
+        let health = file.health.unwrap_or_default();
+        if let Some(v) = file.mem_unit_mib {
+            self.mem_unit_mib = v;
+        }
+        if let Some(v) = names.gpu {
+            self.gpu_resource = v;
+        }
+        if let Some(v) = names.mem {
+            self.mem_resource = v;
+        }
+        if let Some(v) = file.device_plugin_dir {
+            self.device_plugin_dir = v;
+        }
+        if let Some(v) = file.pod_resources_socket {
+            self.pod_resources_socket = v;
+        }
+        if let Some(v) = file.pod_resources_poll_millis {
+            self.pod_resources_poll = Duration::from_millis(v);
+        }
+        if let Some(v) = file.device_list_strategy {
+            self.device_list_strategy = v;
+        }
+        if let Some(v) = health.ignored_xids {
+            self.ignored_xids = v;
+        }
+        if let Some(v) = health.quiet_period_seconds {
+            self.health_quiet_period = Duration::from_secs(v);
+        }
+        if let Some(v) = health.probe_interval_seconds {
+            self.health_probe_interval = Duration::from_secs(v);
+        }
+        if file.profile.is_some() {
+            self.profile = file.profile;
+        }
+        if file.nvml_lib.is_some() {
+            self.nvml_lib = file.nvml_lib;
+        }
+        Ok(())
+    }
+
+    fn validate(&self) -> anyhow::Result<()> {
+        anyhow::ensure!(self.mem_unit_mib >= 1, "memUnitMiB must be at least 1");
+        anyhow::ensure!(
+            self.gpu_resource != self.mem_resource,
+            "the two resource names must differ"
+        );
+        for name in [&self.gpu_resource, &self.mem_resource] {
+            anyhow::ensure!(
+                name.split_once('/')
+                    .is_some_and(|(domain, res)| domain.contains('.') && !res.is_empty()),
+                "resource name {name:?} must be extended: <domain>/<name>"
+            );
+        }
+        anyhow::ensure!(
+            !self.pod_resources_poll.is_zero(),
+            "podResourcesPollMillis must be positive"
+        );
+        anyhow::ensure!(
+            !self.health_probe_interval.is_zero(),
+            "health.probeIntervalSeconds must be positive"
+        );
+        Ok(())
+    }
+}
+
+/// Overrides `target` when a value was given.
+fn set<T>(target: &mut T, value: Option<T>) {
+    if let Some(v) = value {
+        *target = v;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn write(text: &str) -> (tempfile::TempDir, PathBuf) {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("agent.yaml");
+        std::fs::write(&path, text).unwrap();
+        (dir, path)
+    }
+
+    #[test]
+    fn file_then_flags() {
+        let (_dir, path) = write(
+            "memUnitMiB: 4\nresourceNames:\n  mem: example.com/vram\ndeviceListStrategy: cdi-cri\n\
+             health:\n  ignoredXids: [13]\n  quietPeriodSeconds: 60\n",
+        );
+        let args = AgentArgs {
+            config: Some(path),
+            mem_unit_mib: Some(8),
+            ..Default::default()
+        };
+        let config = Config::load(&args).unwrap();
+        assert_eq!(config.mem_unit_mib, 8, "the flag wins");
+        assert_eq!(config.mem_resource, "example.com/vram");
+        assert_eq!(config.gpu_resource, GPU_RESOURCE);
+        assert_eq!(config.device_list_strategy, DeviceListStrategy::CdiCri);
+        assert_eq!(config.ignored_xids, vec![13]);
+        assert_eq!(config.health_quiet_period, Duration::from_secs(60));
+    }
+
+    #[test]
+    fn bad_files_say_what_is_wrong() {
+        let (_dir, path) = write("memUnitMib: 4\n");
+        let err = format!(
+            "{:#}",
+            Config::load(&AgentArgs {
+                config: Some(path),
+                ..Default::default()
+            })
+            .unwrap_err()
+        );
+        assert!(
+            err.contains("memUnitMib") && err.contains("unknown field"),
+            "{err}"
+        );
+        let (_dir, path) = write("resourceNames: {gpu: gpu}\n");
+        let err = format!(
+            "{:#}",
+            Config::load(&AgentArgs {
+                config: Some(path),
+                ..Default::default()
+            })
+            .unwrap_err()
+        );
+        assert!(err.contains("extended"), "{err}");
+        let err = Config::load(&AgentArgs {
+            mem_unit_mib: Some(0),
+            ..Default::default()
+        })
+        .unwrap_err();
+        assert!(err.to_string().contains("memUnitMiB"));
+    }
+}

@@ -1,0 +1,61 @@
+//! GPU health: critical XID events from NVML, and a periodic probe that notices a GPU that stopped
+//! answering and, after a quiet period, one that is fine again.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::gpu::{GpuEvent, NvmlSource};
+
+use super::state::NodeState;
+
+/// Starts the XID watch and the probe, each on its own thread (NVML calls block).
+pub fn spawn(nvml: Arc<NvmlSource>, state: Arc<NodeState>, probe_interval: Duration) -> anyhow::Result<()> {
+    let events = nvml.health_events()?;
+    let position = {
+        let state = Arc::clone(&state);
+        move |index: u32| state.inventory.gpus.iter().position(|g| g.index == index)
+    };
+    let watcher_state = Arc::clone(&state);
+    std::thread::Builder::new()
+        .name("xid-watch".into())
+        .spawn(move || {
+            loop {
+                match events.next(Duration::from_secs(1)) {
+                    Ok(Some(GpuEvent::Xid { index, xid, .. })) => match position(index) {
+                        Some(a) => watcher_state.record_xid(a, xid),
+                        None => tracing::warn!(index, xid, "XID on a GPU this agent does not serve"),
+                    },
+                    Ok(Some(GpuEvent::Lost { index: Some(index) })) => {
+                        if let Some(a) = position(index) {
+                            watcher_state.record_lost(a);
+                        }
+                    }
+                    // NVML could not say which GPU: the next probe finds it.
+                    Ok(Some(GpuEvent::Lost { index: None })) | Ok(None) => {}
+                    Err(err) => {
+                        tracing::error!(error = %err, "XID watch ended; lost-GPU probes go on");
+                        return;
+                    }
+                }
+            }
+        })?;
+    std::thread::Builder::new()
+        .name("gpu-probe".into())
+        .spawn(move || {
+            loop {
+                for (a, gpu) in state.inventory.gpus.iter().enumerate() {
+                    match nvml.memory_used_mib(gpu.index) {
+                        Ok(_) => state.record_answered(a),
+                        Err(err) => {
+                            if state.is_healthy(a) {
+                                tracing::warn!(gpu = gpu.index, error = %err, "GPU probe failed");
+                            }
+                            state.record_lost(a);
+                        }
+                    }
+                }
+                std::thread::sleep(probe_interval);
+            }
+        })?;
+    Ok(())
+}

@@ -1,0 +1,129 @@
+//! `gpumem agent`: the DaemonSet on every GPU node. Two device plugins (whole GPUs and GPU memory)
+//! in one process, sharing one picture of the node: discovery, health, and what the kubelet has
+//! handed out.
+
+pub mod config;
+mod health;
+pub mod state;
+
+use std::sync::Arc;
+
+use tokio::signal::unix::{SignalKind, signal};
+use tokio::sync::watch;
+use tokio::task::JoinSet;
+
+use crate::gpu::{GpuInventory, NvmlSource};
+use crate::plugin::devices;
+use crate::plugin::podresources::PodResources;
+use crate::plugin::proto::KUBELET_MAX_RECV_BYTES;
+use crate::plugin::registration;
+use crate::plugin::server::{Plugin, ResourceKind};
+pub use config::{AgentArgs, Config};
+use state::{HealthPolicy, NodeState};
+
+/// Socket file names in the device-plugin directory.
+pub const GPU_SOCKET: &str = "gpumem-gpu.sock";
+pub const MEM_SOCKET: &str = "gpumem-gpu-mem.sock";
+
+pub fn run(args: &AgentArgs) -> anyhow::Result<()> {
+    let config = Config::load(args)?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    runtime.block_on(serve(config))
+}
+
+async fn serve(config: Config) -> anyhow::Result<()> {
+    let (inventory, nvml) = match &config.profile {
+        Some(name) => {
+            let profile = gpumem_profile::Profile::load(name)?;
+            tracing::warn!(profile = %profile.name, "serving a SIMULATED node: no real GPU behind these devices");
+            (GpuInventory::discover(&profile)?, None)
+        }
+        None => {
+            let nvml = NvmlSource::open(config.nvml_lib.as_deref())?;
+            (GpuInventory::discover(&nvml)?, Some(Arc::new(nvml)))
+        }
+    };
+    tracing::info!(
+        gpus = inventory.gpus.len(),
+        driver = %inventory.driver_version,
+        mem_unit_mib = config.mem_unit_mib,
+        "GPUs discovered"
+    );
+    let state = Arc::new(NodeState::new(
+        inventory,
+        config.mem_unit_mib,
+        config.gpu_resource.clone(),
+        config.mem_resource.clone(),
+        HealthPolicy {
+            ignored_xids: config.ignored_xids.clone(),
+            quiet_period: config.health_quiet_period,
+        },
+    ));
+
+    // The first picture of what is in use comes before the first device list: after a restart the
+    // agent must not offer what running pods hold.
+    let pod_resources = Arc::new(PodResources::new(
+        config.pod_resources_socket.clone(),
+        Arc::clone(&state),
+    ));
+    if let Err(err) = pod_resources.refresh_now().await {
+        tracing::warn!(error = %err, "starting without the kubelet's allocations; will keep asking");
+    }
+    tokio::spawn(Arc::clone(&pod_resources).poll(config.pod_resources_poll));
+    if let Some(nvml) = nvml {
+        health::spawn(nvml, Arc::clone(&state), config.health_probe_interval)?;
+    }
+
+    let (shutdown_tx, shutdown_rx) = watch::channel(false);
+    let mut plugins = JoinSet::new();
+    let plugin = |kind| Plugin {
+        kind,
+        state: Arc::clone(&state),
+        refresher: pod_resources.clone(),
+        strategy: config.device_list_strategy,
+    };
+    plugins.spawn(registration::run(
+        plugin(ResourceKind::Whole),
+        config.device_plugin_dir.clone(),
+        GPU_SOCKET.into(),
+        shutdown_rx.clone(),
+    ));
+    let mem_bytes = devices::mem_list_bytes(&state.inventory, config.mem_unit_mib);
+    if mem_bytes > KUBELET_MAX_RECV_BYTES {
+        let fits = devices::smallest_fitting_unit(&state.inventory).map_or_else(
+            || "no unit fits".to_string(),
+            |u| format!("use memUnitMiB: {u} (--mem-unit-mib {u}) or larger"),
+        );
+        tracing::error!(
+            resource = %config.mem_resource,
+            mem_unit_mib = config.mem_unit_mib,
+            bytes = mem_bytes,
+            limit = KUBELET_MAX_RECV_BYTES,
+            "the device list at this unit exceeds the kubelet's message limit, so this resource is NOT advertised; {fits}"
+        );
+    } else {
+        plugins.spawn(registration::run(
+            plugin(ResourceKind::Memory),
+            config.device_plugin_dir.clone(),
+            MEM_SOCKET.into(),
+            shutdown_rx.clone(),
+        ));
+    }
+
+    let mut terminate = signal(SignalKind::terminate())?;
+    let outcome = tokio::select! {
+        _ = terminate.recv() => { tracing::info!("SIGTERM: stopping"); Ok(()) }
+        _ = tokio::signal::ctrl_c() => { tracing::info!("interrupted: stopping"); Ok(()) }
+        Some(ended) = plugins.join_next() => match ended {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(err)) => Err(err),
+            Err(err) => Err(anyhow::anyhow!("device plugin task failed: {err}")),
+        },
+    };
+    let _ = shutdown_tx.send(true);
+    while plugins.join_next().await.is_some() {}
+    outcome
+}

@@ -1,0 +1,833 @@
+//! What the agent knows about its GPUs right now: their health, and what is allocated on them.
+//!
+//! Allocations come from the kubelet's PodResources API (the only place that learns when a pod ends,
+//! and the picture an agent restart starts from), plus the agent's own allocations the kubelet has not
+//! listed yet. Every change that alters a device list bumps a version that ListAndWatch streams follow.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use tokio::sync::watch;
+
+use crate::alloc::local::{self, FreeMemory, PairScores};
+use crate::gpu::GpuInventory;
+use crate::node::{GpuMode, GpuUsage, UsageAnnotation};
+use crate::plugin::devices;
+use crate::plugin::proto::podresources::ListPodResourcesResponse;
+use crate::plugin::proto::v1beta1::Device;
+
+/// An allocation the kubelet has not listed after this long never reached a container (admission
+/// failed after Allocate); forget it.
+const PENDING_TTL: Duration = Duration::from_secs(120);
+
+/// Why a request cannot be served; the text reaches the user through the kubelet's pod event.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RequestError {
+    #[error("{0}")]
+    Invalid(String),
+    #[error("{0}")]
+    Unavailable(String),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Health {
+    Healthy,
+    Unhealthy { reason: String, last_event: Instant },
+}
+
+/// What is allocated on one GPU.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+struct GpuAllocation {
+    /// Pods holding the GPU as a whole (`namespace/name`).
+    whole: BTreeSet<String>,
+    /// Memory unit numbers in use, and by whom.
+    units: BTreeMap<u64, String>,
+}
+
+#[derive(Debug, Clone)]
+enum PendingKind {
+    Whole,
+    Units(Vec<u64>),
+}
+
+#[derive(Debug, Clone)]
+struct Pending {
+    gpu: usize,
+    kind: PendingKind,
+    at: Instant,
+}
+
+/// Whether a GPU is held whole, and how many of its memory units are in use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Occupancy {
+    whole: bool,
+    units: u64,
+}
+
+impl Occupancy {
+    fn shared(self) -> bool {
+        self.units > 0
+    }
+}
+
+struct Inner {
+    health: Vec<Health>,
+    listed: Vec<GpuAllocation>,
+    pending: Vec<Pending>,
+}
+
+/// Health policy.
+#[derive(Debug, Clone)]
+pub struct HealthPolicy {
+    pub ignored_xids: Vec<u64>,
+    pub quiet_period: Duration,
+}
+
+pub struct NodeState {
+    pub inventory: GpuInventory,
+    pub unit_mib: u64,
+    pub gpu_resource: String,
+    pub mem_resource: String,
+    health_policy: HealthPolicy,
+    scores: PairScores,
+    by_uuid: HashMap<String, usize>,
+    /// GPU position by NVML index (indices are small).
+    position_of_index: Vec<Option<usize>>,
+    inner: Mutex<Inner>,
+    version: watch::Sender<u64>,
+}
+
+impl NodeState {
+    pub fn new(
+        inventory: GpuInventory,
+        unit_mib: u64,
+        gpu_resource: String,
+        mem_resource: String,
+        health_policy: HealthPolicy,
+    ) -> Self {
+        let n = inventory.gpus.len();
+        let scores = PairScores::new(n, |a, b| {
+            local::pair_score(inventory.topology(a, b), inventory.nvlink_links(a, b))
+        });
+        let by_uuid = inventory
+            .gpus
+            .iter()
+            .enumerate()
+            .map(|(a, g)| (g.uuid.clone(), a))
+            .collect();
+        let max_index = inventory.gpus.iter().map(|g| g.index as usize).max().unwrap_or(0);
+        let mut position_of_index = vec![None; max_index + 1];
+        for (a, g) in inventory.gpus.iter().enumerate() {
+            position_of_index[g.index as usize] = Some(a);
+        }
+        let inner = Inner {
+            health: vec![Health::Healthy; n],
+            listed: vec![GpuAllocation::default(); n],
+            pending: Vec::new(),
+        };
+        Self {
+            inventory,
+            unit_mib,
+            gpu_resource,
+            mem_resource,
+            health_policy,
+            scores,
+            by_uuid,
+            position_of_index,
+            inner: Mutex::new(inner),
+            version: watch::channel(0).0,
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        // A panic while holding the lock cannot leave Inner half-updated in a way later readers trip
+        // over (every update is a plain assignment), so a poisoned lock is still usable.
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn bump(&self) {
+        self.version.send_modify(|v| *v += 1);
+    }
+
+    /// Follows changes of the device lists.
+    pub fn subscribe(&self) -> watch::Receiver<u64> {
+        self.version.subscribe()
+    }
+
+    fn units_of(&self, gpu: usize) -> u64 {
+        devices::units_per_gpu(self.inventory.gpus[gpu].memory_mib, self.unit_mib)
+    }
+
+    /// Effective allocation per GPU: listed by the kubelet, plus our own not yet listed.
+    fn effective(inner: &Inner) -> Vec<GpuAllocation> {
+        let mut all = inner.listed.clone();
+        for p in &inner.pending {
+            match &p.kind {
+                PendingKind::Whole => {
+                    all[p.gpu].whole.insert("(allocating)".into());
+                }
+                PendingKind::Units(units) => {
+                    for &u in units {
+                        all[p.gpu].units.entry(u).or_insert_with(|| "(allocating)".into());
+                    }
+                }
+            }
+        }
+        all
+    }
+
+    /// Per GPU, what decisions and device lists depend on; cheap (no clone of the unit maps).
+    fn occupancy(inner: &Inner) -> Vec<Occupancy> {
+        let mut occ: Vec<Occupancy> = inner
+            .listed
+            .iter()
+            .map(|a| Occupancy {
+                whole: !a.whole.is_empty(),
+                units: a.units.len() as u64,
+            })
+            .collect();
+        for p in &inner.pending {
+            match &p.kind {
+                PendingKind::Whole => occ[p.gpu].whole = true,
+                PendingKind::Units(units) => occ[p.gpu].units += units.len() as u64,
+            }
+        }
+        occ
+    }
+
+    // ----- device lists -----
+
+    /// `nvidia.com/gpu`: a GPU with any memory units in use is not allocatable whole.
+    pub fn gpu_devices(&self) -> Vec<Device> {
+        let inner = self.lock();
+        let occ = Self::occupancy(&inner);
+        devices::gpu_devices(&self.inventory, |a| {
+            inner.health[a] == Health::Healthy && !occ[a].shared()
+        })
+    }
+
+    /// `nvidia.com/gpu-mem`: a GPU allocated whole offers no memory units.
+    pub fn mem_devices(&self) -> Vec<Device> {
+        let inner = self.lock();
+        let occ = Self::occupancy(&inner);
+        devices::mem_devices(&self.inventory, self.unit_mib, |a| {
+            inner.health[a] == Health::Healthy && !occ[a].whole
+        })
+    }
+
+    /// Per-GPU usage, as the agent publishes it.
+    pub fn usage(&self) -> UsageAnnotation {
+        let inner = self.lock();
+        let alloc = Self::effective(&inner);
+        let mut usage = UsageAnnotation::idle(&self.inventory);
+        for (gpu, (u, a)) in usage.gpus.iter_mut().zip(&alloc).enumerate() {
+            let pods: BTreeSet<&String> = a.whole.iter().chain(a.units.values()).collect();
+            u.pods = pods.into_iter().cloned().collect();
+            (u.mode, u.allocated_mib) = if !a.whole.is_empty() {
+                (GpuMode::Whole, self.inventory.gpus[gpu].memory_mib)
+            } else if !a.units.is_empty() {
+                (GpuMode::Shared, a.units.len() as u64 * self.unit_mib)
+            } else {
+                (GpuMode::Free, 0)
+            };
+        }
+        usage
+    }
+
+    /// Whether GPU `a` is healthy.
+    pub fn is_healthy(&self, a: usize) -> bool {
+        self.lock().health[a] == Health::Healthy
+    }
+
+    // ----- what the kubelet says is in use -----
+
+    /// Replaces the listed allocations with a PodResources `List` answer.
+    pub fn apply_pod_resources(&self, list: &ListPodResourcesResponse) {
+        let mut listed = vec![GpuAllocation::default(); self.inventory.gpus.len()];
+        for pod in &list.pod_resources {
+            let owner = format!("{}/{}", pod.namespace, pod.name);
+            for device in pod.containers.iter().flat_map(|c| &c.devices) {
+                for id in &device.device_ids {
+                    if device.resource_name == self.gpu_resource {
+                        match self.by_uuid.get(id) {
+                            Some(&a) => {
+                                listed[a].whole.insert(owner.clone());
+                            }
+                            None => tracing::debug!(%id, "PodResources lists a GPU this node does not have"),
+                        }
+                    } else if device.resource_name == self.mem_resource {
+                        // A unit beyond today's count (the unit size changed since) still marks its GPU shared.
+                        match parse_unit_id(id).and_then(|(index, n)| Some((self.position(index)?, n))) {
+                            Some((a, n)) => {
+                                listed[a].units.insert(n, owner.clone());
+                            }
+                            None => {
+                                tracing::debug!(%id, "PodResources lists a memory unit this node does not have")
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        let mut inner = self.lock();
+        let now = Instant::now();
+        // A pending allocation is done once the kubelet lists any of it (or it is too old to matter).
+        inner.pending.retain(|p| {
+            let seen = match &p.kind {
+                PendingKind::Whole => !listed[p.gpu].whole.is_empty(),
+                PendingKind::Units(units) => units.iter().any(|u| listed[p.gpu].units.contains_key(u)),
+            };
+            !seen && now.duration_since(p.at) < PENDING_TTL
+        });
+        let before = Self::exclusion(&inner);
+        inner.listed = listed;
+        let after = Self::exclusion(&inner);
+        drop(inner);
+        if before != after {
+            self.bump();
+        }
+    }
+
+    /// The part of the allocation that the device lists depend on: whole / shared per GPU.
+    fn exclusion(inner: &Inner) -> Vec<(bool, bool)> {
+        Self::occupancy(inner)
+            .iter()
+            .map(|o| (o.whole, o.shared()))
+            .collect()
+    }
+
+    // ----- health -----
+
+    /// A critical XID on GPU `a`. Application XIDs in the ignore list change nothing.
+    pub fn record_xid(&self, a: usize, xid: u64) {
+        if self.health_policy.ignored_xids.contains(&xid) {
+            tracing::info!(gpu = a, xid, "application XID, GPU stays healthy");
+            return;
+        }
+        self.mark_unhealthy(a, format!("XID {xid}"));
+    }
+
+    /// GPU `a` does not answer (fallen off the bus).
+    pub fn record_lost(&self, a: usize) {
+        self.mark_unhealthy(a, "not answering (GPU is lost)".into());
+    }
+
+    fn mark_unhealthy(&self, a: usize, reason: String) {
+        let Some(gpu) = self.inventory.gpus.get(a) else {
+            return;
+        };
+        let mut inner = self.lock();
+        let was_healthy = inner.health[a] == Health::Healthy;
+        if was_healthy {
+            tracing::warn!(gpu = a, uuid = %gpu.uuid, %reason, "GPU unhealthy");
+        }
+        inner.health[a] = Health::Unhealthy {
+            reason,
+            last_event: Instant::now(),
+        };
+        drop(inner);
+        if was_healthy {
+            self.bump();
+        }
+    }
+
+    /// GPU `a` answered a probe: healthy again once the quiet period has passed since its last event.
+    pub fn record_answered(&self, a: usize) {
+        let mut inner = self.lock();
+        let recovered = match &inner.health[a] {
+            Health::Unhealthy { last_event, reason }
+                if last_event.elapsed() >= self.health_policy.quiet_period =>
+            {
+                tracing::info!(gpu = a, previous = %reason, "GPU healthy again");
+                true
+            }
+            _ => false,
+        };
+        if recovered {
+            inner.health[a] = Health::Healthy;
+            drop(inner);
+            self.bump();
+        }
+    }
+
+    // ----- decisions -----
+
+    /// GetPreferredAllocation for whole GPUs: the best-connected set.
+    pub fn prefer_whole(
+        &self,
+        available: &[String],
+        must: &[String],
+        size: usize,
+    ) -> Result<Vec<String>, RequestError> {
+        let to_pos = |ids: &[String]| -> Result<Vec<usize>, RequestError> {
+            ids.iter()
+                .map(|id| {
+                    self.by_uuid
+                        .get(id)
+                        .copied()
+                        .ok_or_else(|| unknown(&self.gpu_resource, id))
+                })
+                .collect()
+        };
+        let (available, must) = (to_pos(available)?, to_pos(must)?);
+        // GPUs sharing memory are reported unhealthy, but the kubelet may not have seen that yet.
+        let occ = Self::occupancy(&self.lock());
+        let usable: Vec<usize> = available.into_iter().filter(|&a| !occ[a].shared()).collect();
+        let set = local::best_gpu_set(&self.scores, &usable, &must, size)
+            .map_err(|e| RequestError::Unavailable(format!("{}: {e}", self.gpu_resource)))?;
+        Ok(set
+            .into_iter()
+            .map(|a| self.inventory.gpus[a].uuid.clone())
+            .collect())
+    }
+
+    /// GetPreferredAllocation for memory: `size` units, all from ONE GPU, best fit.
+    ///
+    /// The kubelet offers every free unit (131,072 IDs on an 8 x 80 GB node at 5 MiB). The agent's own
+    /// books already say how much each GPU has free, so the choice is made from them and confirmed by
+    /// finding `size` offered units of that GPU; only when the offer disagrees (units the kubelet is
+    /// holding back) is the whole offer counted per GPU.
+    pub fn prefer_mem(
+        &self,
+        available: &[String],
+        must: &[String],
+        size: usize,
+    ) -> Result<Vec<String>, RequestError> {
+        let n = self.inventory.gpus.len();
+        let mut must_gpu = None;
+        for id in must {
+            let (a, _) = self.unit_position(id)?;
+            if must_gpu.is_some_and(|g| g != a) {
+                return Err(RequestError::Invalid(format!(
+                    "{}: the units that must be included span several GPUs; a request is served by one GPU",
+                    self.mem_resource
+                )));
+            }
+            must_gpu = Some(a);
+        }
+        let (occ, healthy) = {
+            let inner = self.lock();
+            (
+                Self::occupancy(&inner),
+                inner
+                    .health
+                    .iter()
+                    .map(|h| *h == Health::Healthy)
+                    .collect::<Vec<_>>(),
+            )
+        };
+        let eligible = |a: &usize| healthy[*a] && !occ[*a].whole && must_gpu.is_none_or(|g| g == *a);
+
+        let booked: Vec<FreeMemory> = (0..n)
+            .filter(eligible)
+            .map(|a| FreeMemory {
+                gpu: a,
+                free: self.units_of(a).saturating_sub(occ[a].units),
+            })
+            .collect();
+        if let Some(gpu) = local::best_fit_gpu(&booked, size as u64)
+            && let Some(ids) = self.offered_units(available, must, gpu, size)?
+        {
+            return Ok(ids);
+        }
+
+        let mut offered = vec![0u64; n];
+        for id in available {
+            offered[self.unit_gpu(id)?] += 1;
+        }
+        let counted: Vec<FreeMemory> = (0..n)
+            .filter(|a| offered[*a] > 0 && eligible(a))
+            .map(|a| FreeMemory {
+                gpu: a,
+                free: offered[a],
+            })
+            .collect();
+        if let Some(gpu) = local::best_fit_gpu(&counted, size as u64)
+            && let Some(ids) = self.offered_units(available, must, gpu, size)?
+        {
+            return Ok(ids);
+        }
+        let have = counted.iter().max_by_key(|c| c.free).map_or_else(
+            || "no GPU has free memory".to_string(),
+            |c| {
+                let index = self.inventory.gpus[c.gpu].index;
+                format!(
+                    "the largest free block is {} MiB on GPU {index}",
+                    c.free * self.unit_mib
+                )
+            },
+        );
+        Err(RequestError::Unavailable(format!(
+            "{}: no single GPU has {} MiB free ({have}); a request is served by one GPU",
+            self.mem_resource,
+            size as u64 * self.unit_mib
+        )))
+    }
+
+    /// `size` offered units of GPU `gpu`, must-include ones first, then in the kubelet's order;
+    /// None if the offer holds fewer.
+    fn offered_units(
+        &self,
+        available: &[String],
+        must: &[String],
+        gpu: usize,
+        size: usize,
+    ) -> Result<Option<Vec<String>>, RequestError> {
+        let mut chosen: Vec<&String> = must.iter().collect();
+        for id in available {
+            if chosen.len() >= size {
+                break;
+            }
+            if self.unit_gpu(id)? == gpu && !must.contains(id) {
+                chosen.push(id);
+            }
+        }
+        if chosen.len() < size {
+            return Ok(None);
+        }
+        for id in &chosen {
+            self.unit_position(id)?;
+        }
+        Ok(Some(chosen.into_iter().cloned().collect()))
+    }
+
+    /// Allocate whole GPUs: every ID known, healthy, and with no memory shared out.
+    pub fn allocate_whole(&self, ids: &[String]) -> Result<Vec<usize>, RequestError> {
+        if ids.is_empty() {
+            return Err(RequestError::Invalid(format!(
+                "{}: Allocate with no devices",
+                self.gpu_resource
+            )));
+        }
+        let mut inner = self.lock();
+        let occ = Self::occupancy(&inner);
+        let mut gpus = Vec::new();
+        for id in ids {
+            let a = *self
+                .by_uuid
+                .get(id)
+                .ok_or_else(|| unknown(&self.gpu_resource, id))?;
+            if let Health::Unhealthy { reason, .. } = &inner.health[a] {
+                return Err(RequestError::Unavailable(format!(
+                    "GPU {id} is unhealthy: {reason}"
+                )));
+            }
+            if occ[a].shared() {
+                return Err(RequestError::Unavailable(format!(
+                    "GPU {id} is shared ({} MiB allocated through {}); it cannot be allocated whole",
+                    occ[a].units * self.unit_mib,
+                    self.mem_resource
+                )));
+            }
+            gpus.push(a);
+        }
+        let now = Instant::now();
+        inner.pending.extend(gpus.iter().map(|&gpu| Pending {
+            gpu,
+            kind: PendingKind::Whole,
+            at: now,
+        }));
+        drop(inner);
+        self.bump();
+        Ok(gpus)
+    }
+
+    /// Allocate memory units: all on one GPU, known, healthy, and that GPU not allocated whole.
+    /// Returns the GPU and the number of units.
+    pub fn allocate_mem(&self, ids: &[String]) -> Result<(usize, u64), RequestError> {
+        let mut gpu: Option<usize> = None;
+        let mut units = Vec::with_capacity(ids.len());
+        for id in ids {
+            let (a, n) = self.unit_position(id)?;
+            if let Some(g) = gpu.filter(|&g| g != a) {
+                return Err(RequestError::Invalid(format!(
+                    "{}: the devices span several GPUs ({} and {}); a request is served by one GPU",
+                    self.mem_resource, self.inventory.gpus[g].index, self.inventory.gpus[a].index
+                )));
+            }
+            gpu = Some(a);
+            units.push(n);
+        }
+        let Some(a) = gpu else {
+            return Err(RequestError::Invalid(format!(
+                "{}: Allocate with no devices",
+                self.mem_resource
+            )));
+        };
+        let mut inner = self.lock();
+        if let Health::Unhealthy { reason, .. } = &inner.health[a] {
+            return Err(RequestError::Unavailable(format!(
+                "GPU {} is unhealthy: {reason}",
+                self.inventory.gpus[a].index
+            )));
+        }
+        let occ = Self::occupancy(&inner)[a];
+        if occ.whole {
+            return Err(RequestError::Unavailable(format!(
+                "GPU {} is allocated whole; its memory cannot be shared",
+                self.inventory.gpus[a].index
+            )));
+        }
+        let count = units.len() as u64;
+        inner.pending.push(Pending {
+            gpu: a,
+            kind: PendingKind::Units(units),
+            at: Instant::now(),
+        });
+        drop(inner);
+        if !occ.shared() {
+            self.bump();
+        }
+        Ok((a, count))
+    }
+
+    /// Position in the inventory of the GPU with NVML index `index`.
+    fn position(&self, index: u32) -> Option<usize> {
+        self.position_of_index.get(index as usize).copied().flatten()
+    }
+
+    /// The GPU position a memory unit ID names, reading only its `<gpu index>-` prefix: this runs
+    /// once per offered unit, so it avoids hashing and allocation.
+    fn unit_gpu(&self, id: &str) -> Result<usize, RequestError> {
+        let digits = id.bytes().take_while(u8::is_ascii_digit).count();
+        let index = if digits == 0 || digits > 4 || id.as_bytes().get(digits) != Some(&b'-') {
+            None
+        } else {
+            id[..digits].parse::<usize>().ok()
+        };
+        index
+            .and_then(|i| self.position_of_index.get(i).copied().flatten())
+            .ok_or_else(|| unknown(&self.mem_resource, id))
+    }
+
+    /// GPU position and unit number of a memory unit ID, checked against this node.
+    fn unit_position(&self, id: &str) -> Result<(usize, u64), RequestError> {
+        let (index, n) = parse_unit_id(id).ok_or_else(|| unknown(&self.mem_resource, id))?;
+        let a = self
+            .position(index)
+            .ok_or_else(|| unknown(&self.mem_resource, id))?;
+        if n >= self.units_of(a) {
+            return Err(unknown(&self.mem_resource, id));
+        }
+        Ok((a, n))
+    }
+
+    /// GPU usage rows, for tests and metrics.
+    pub fn gpu_usage(&self) -> Vec<GpuUsage> {
+        self.usage().gpus
+    }
+}
+
+fn unknown(resource: &str, id: &str) -> RequestError {
+    RequestError::Invalid(format!("{resource}: unknown device ID {id:?} on this node"))
+}
+
+/// `<gpu index>-<unit>` → (gpu index, unit).
+pub fn parse_unit_id(id: &str) -> Option<(u32, u64)> {
+    let (gpu, unit) = id.split_once('-')?;
+    Some((gpu.parse().ok()?, unit.parse().ok()?))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::plugin::proto::HEALTHY;
+    use crate::plugin::proto::podresources::{ContainerDevices, ContainerResources, PodResources};
+    use gpumem_profile::Profile;
+
+    fn state(profile: &str, unit_mib: u64) -> NodeState {
+        let inventory = GpuInventory::discover(&Profile::load(profile).unwrap()).unwrap();
+        NodeState::new(
+            inventory,
+            unit_mib,
+            "nvidia.com/gpu".into(),
+            "nvidia.com/gpu-mem".into(),
+            HealthPolicy {
+                ignored_xids: vec![13],
+                quiet_period: Duration::ZERO,
+            },
+        )
+    }
+
+    fn ids(gpu: u32, range: std::ops::Range<u64>) -> Vec<String> {
+        range.map(|n| devices::mem_unit_id(gpu, n)).collect()
+    }
+
+    fn healthy(devices: &[Device]) -> Vec<&str> {
+        devices
+            .iter()
+            .filter(|d| d.health == HEALTHY)
+            .map(|d| d.id.as_str())
+            .collect()
+    }
+
+    fn pod(name: &str, resource: &str, device_ids: Vec<String>) -> PodResources {
+        PodResources {
+            name: name.into(),
+            namespace: "default".into(),
+            containers: vec![ContainerResources {
+                name: "main".into(),
+                devices: vec![ContainerDevices {
+                    resource_name: resource.into(),
+                    device_ids,
+                    topology: None,
+                }],
+                ..Default::default()
+            }],
+        }
+    }
+
+    #[test]
+    fn memory_goes_to_the_tightest_gpu_and_never_spans_two() {
+        // t4x4 at 1024 MiB units: 15 units per GPU.
+        let s = state("t4x4", 1024);
+        // A pod holds 10 of GPU 1's 15 units; the kubelet offers the rest of the node.
+        s.apply_pod_resources(&ListPodResourcesResponse {
+            pod_resources: vec![pod("a", "nvidia.com/gpu-mem", ids(1, 0..10))],
+        });
+        let mut available = ids(0, 0..15);
+        available.extend(ids(1, 10..15));
+        available.extend(ids(2, 0..15));
+        let chosen = s.prefer_mem(&available, &[], 4).unwrap();
+        assert_eq!(chosen, ids(1, 10..14));
+        // The kubelet holding back units the books think free: the offer decides.
+        let offer: Vec<String> = ids(0, 0..3).into_iter().chain(ids(2, 0..6)).collect();
+        assert_eq!(s.prefer_mem(&offer, &[], 4).unwrap(), ids(2, 0..4));
+        // Must-include units pin the GPU.
+        assert_eq!(
+            s.prefer_mem(&available, &ids(2, 5..6), 2).unwrap(),
+            vec!["2-5".to_string(), "2-0".to_string()]
+        );
+
+        // 4 GiB free on two GPUs never serves 5 GiB.
+        let halves: Vec<String> = ids(0, 11..15).into_iter().chain(ids(3, 11..15)).collect();
+        let err = s.prefer_mem(&halves, &[], 5).unwrap_err().to_string();
+        assert!(err.contains("no single GPU has 5120 MiB free"), "{err}");
+        assert!(err.contains("largest free block is 4096 MiB"), "{err}");
+
+        let spanning: Vec<String> = ids(0, 0..2).into_iter().chain(ids(1, 0..2)).collect();
+        let err = s.allocate_mem(&spanning).unwrap_err().to_string();
+        assert!(err.contains("span several GPUs"), "{err}");
+        assert!(
+            s.allocate_mem(&["0-15".to_string()])
+                .unwrap_err()
+                .to_string()
+                .contains("unknown device")
+        );
+        assert!(s.allocate_mem(&["zero".to_string()]).is_err());
+    }
+
+    #[test]
+    fn whole_and_shared_exclude_each_other() {
+        let s = state("t4x4", 1024);
+        let uuid = |a: usize| s.inventory.gpus[a].uuid.clone();
+        // Memory on GPU 0: its whole device turns unhealthy at once, before the kubelet lists it.
+        assert_eq!(s.allocate_mem(&ids(0, 0..3)).unwrap(), (0, 3));
+        assert!(!healthy(&s.gpu_devices()).contains(&uuid(0).as_str()));
+        let err = s.allocate_whole(&[uuid(0)]).unwrap_err().to_string();
+        assert!(err.contains("is shared"), "{err}");
+        // GPU 1 whole: its memory units turn unhealthy, and its units are refused.
+        assert_eq!(s.allocate_whole(&[uuid(1)]).unwrap(), vec![1]);
+        assert!(healthy(&s.mem_devices()).iter().all(|id| !id.starts_with("1-")));
+        assert!(
+            s.allocate_mem(&ids(1, 0..1))
+                .unwrap_err()
+                .to_string()
+                .contains("allocated whole")
+        );
+        // And a preferred whole-GPU set never includes a shared GPU.
+        let all: Vec<String> = (0..4).map(uuid).collect();
+        assert_eq!(s.prefer_whole(&all, &[], 1).unwrap(), vec![uuid(1)]);
+    }
+
+    #[test]
+    fn pod_resources_restore_the_picture_and_retire_pending_allocations() {
+        let s = state("t4x4", 1024);
+        let uuid = |a: usize| s.inventory.gpus[a].uuid.clone();
+        // What an agent restart finds: a whole GPU and a shared one in use.
+        let list = ListPodResourcesResponse {
+            pod_resources: vec![
+                pod("train", "nvidia.com/gpu", vec![uuid(2)]),
+                pod("infer", "nvidia.com/gpu-mem", ids(3, 0..5)),
+            ],
+        };
+        let mut changes = s.subscribe();
+        s.apply_pod_resources(&list);
+        assert!(changes.has_changed().unwrap());
+        changes.mark_unchanged();
+        assert!(s.allocate_mem(&ids(2, 0..1)).is_err(), "GPU 2 is held whole");
+        assert!(s.allocate_whole(&[uuid(3)]).is_err(), "GPU 3 is shared");
+        let usage = s.gpu_usage();
+        assert_eq!(usage[3].mode, GpuMode::Shared);
+        assert_eq!(usage[3].allocated_mib, 5 * 1024);
+        assert_eq!(usage[3].pods, vec!["default/infer".to_string()]);
+        assert_eq!(usage[2].mode, GpuMode::Whole);
+
+        // The same list again changes nothing visible.
+        s.apply_pod_resources(&list);
+        assert!(!changes.has_changed().unwrap());
+
+        // A pod ends: its GPU is free again.
+        s.apply_pod_resources(&ListPodResourcesResponse {
+            pod_resources: vec![pod("train", "nvidia.com/gpu", vec![uuid(2)])],
+        });
+        assert!(healthy(&s.gpu_devices()).contains(&uuid(3).as_str()));
+
+        // Our own allocation stays until the kubelet lists it, then the listed picture takes over.
+        s.allocate_mem(&ids(0, 0..2)).unwrap();
+        s.apply_pod_resources(&ListPodResourcesResponse {
+            pod_resources: vec![],
+        });
+        assert_eq!(
+            s.gpu_usage()[0].mode,
+            GpuMode::Shared,
+            "not listed yet: still pending"
+        );
+        s.apply_pod_resources(&ListPodResourcesResponse {
+            pod_resources: vec![pod("new", "nvidia.com/gpu-mem", ids(0, 0..2))],
+        });
+        s.apply_pod_resources(&ListPodResourcesResponse {
+            pod_resources: vec![],
+        });
+        assert_eq!(
+            s.gpu_usage()[0].mode,
+            GpuMode::Free,
+            "listed once, then gone: the pod ended"
+        );
+    }
+
+    #[test]
+    fn xids_make_a_gpu_unhealthy_until_it_is_quiet_and_answers() {
+        let s = state("dgx-a100", 64);
+        s.record_xid(4, 13);
+        assert!(s.is_healthy(4), "application XIDs are ignored");
+        s.record_xid(4, 79);
+        assert!(!s.is_healthy(4));
+        let uuid4 = s.inventory.gpus[4].uuid.clone();
+        assert!(!healthy(&s.gpu_devices()).contains(&uuid4.as_str()));
+        assert!(healthy(&s.mem_devices()).iter().all(|id| !id.starts_with("4-")));
+        assert!(
+            s.allocate_whole(&[uuid4])
+                .unwrap_err()
+                .to_string()
+                .contains("XID 79")
+        );
+        // Quiet period zero: the next successful probe brings it back.
+        s.record_answered(4);
+        assert!(s.is_healthy(4));
+    }
+
+    #[test]
+    fn topology_preference_skips_unknown_ids() {
+        let s = state("dgx-a100", 64);
+        let err = s
+            .prefer_whole(&["GPU-nope".into()], &[], 1)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("unknown device"), "{err}");
+        let all: Vec<String> = s.inventory.gpus.iter().map(|g| g.uuid.clone()).collect();
+        let four = s.prefer_whole(&all, &[], 4).unwrap();
+        assert_eq!(four, all[0..4].to_vec());
+    }
+}

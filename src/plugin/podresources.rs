@@ -1,0 +1,103 @@
+//! What the kubelet has handed out: the PodResources API (`List`), polled, and asked again right
+//! before every decision. The kubelet never tells a device plugin that a pod ended; this does.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::sync::Mutex;
+
+use super::proto::podresources::ListPodResourcesRequest;
+use super::proto::podresources::pod_resources_lister_client::PodResourcesListerClient;
+use super::server::Refresh;
+use super::uds;
+use crate::agent::state::NodeState;
+
+/// One `List` may take this long before the last known picture is used instead.
+const LIST_TIMEOUT: Duration = Duration::from_secs(2);
+/// A decision within this long of the last `List` uses it as it is: the kubelet rate-limits the API
+/// (100 requests/s, bursts of 10), and the agent's own recent allocations are in its books anyway.
+const FRESH_ENOUGH: Duration = Duration::from_millis(100);
+
+pub struct PodResources {
+    socket: PathBuf,
+    state: Arc<NodeState>,
+    client: Mutex<Option<PodResourcesListerClient<tonic::transport::Channel>>>,
+    last_listed: std::sync::Mutex<Option<Instant>>,
+}
+
+impl PodResources {
+    pub fn new(socket: PathBuf, state: Arc<NodeState>) -> Self {
+        Self {
+            socket,
+            state,
+            client: Mutex::new(None),
+            last_listed: std::sync::Mutex::new(None),
+        }
+    }
+
+    /// Lists what is allocated and applies it to the node state.
+    pub async fn refresh_now(&self) -> anyhow::Result<()> {
+        let mut guard = self.client.lock().await;
+        let attempt = async {
+            if guard.is_none() {
+                *guard = Some(PodResourcesListerClient::new(uds::connect(&self.socket).await?));
+            }
+            let client = guard
+                .as_mut()
+                .ok_or_else(|| anyhow::anyhow!("no PodResources client"))?;
+            anyhow::Ok(client.list(ListPodResourcesRequest {}).await?.into_inner())
+        };
+        match tokio::time::timeout(LIST_TIMEOUT, attempt).await {
+            Ok(Ok(list)) => {
+                self.state.apply_pod_resources(&list);
+                *self.last_listed.lock().unwrap_or_else(|e| e.into_inner()) = Some(Instant::now());
+                Ok(())
+            }
+            failed => {
+                // Reconnect next time: the kubelet may have restarted.
+                *guard = None;
+                match failed {
+                    Ok(Err(err)) => Err(err),
+                    _ => Err(anyhow::anyhow!(
+                        "PodResources List took longer than {LIST_TIMEOUT:?}"
+                    )),
+                }
+            }
+        }
+        .map_err(|e| anyhow::anyhow!("PodResources {}: {e}", self.socket.display()))
+    }
+
+    /// Polls every `interval` until the process ends.
+    pub async fn poll(self: Arc<Self>, interval: Duration) {
+        let mut failing = false;
+        loop {
+            match self.refresh_now().await {
+                Ok(()) if failing => {
+                    tracing::info!("PodResources reachable again");
+                    failing = false;
+                }
+                Ok(()) => {}
+                Err(err) if !failing => {
+                    tracing::warn!(error = %err, "cannot read what the kubelet allocated; using the last known picture");
+                    failing = true;
+                }
+                Err(_) => {}
+            }
+            tokio::time::sleep(interval).await;
+        }
+    }
+}
+
+#[tonic::async_trait]
+impl Refresh for PodResources {
+    async fn refresh(&self) {
+        let last = *self.last_listed.lock().unwrap_or_else(|e| e.into_inner());
+        if last.is_some_and(|at| at.elapsed() < FRESH_ENOUGH) {
+            return;
+        }
+        if let Err(err) = self.refresh_now().await {
+            tracing::warn!(error = %err, "deciding on the last known allocations");
+        }
+    }
+}

@@ -1,0 +1,243 @@
+//! `gpumem simulate`: replays a cluster trace through the placement policies of [`crate::alloc`] (the
+//! scorer's own code) and reports unallocated GPU and fragmentation against arrived workload, following
+//! the FGD paper's protocol (see [`replay`]). `--bench` times single decisions instead.
+
+pub mod bench;
+pub mod replay;
+pub mod report;
+pub mod trace;
+
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Instant;
+
+use anyhow::{Context, Result, bail};
+
+use crate::alloc::{POLICY_NAMES, TypicalMix, canonical_policy_name};
+use replay::RunResult;
+use report::{PolicyRuns, Published};
+use trace::Trace;
+
+const DEFAULT_NODES: &str = "../shared/traces/openb/openb_node_list_gpu_node.csv";
+const DEFAULT_PODS: &str = "../shared/traces/openb/openb_pod_list_default.csv";
+const PUBLISHED_FILE: &str = "fgd_published_unallocated.csv";
+
+/// Replay a GPU cluster trace through the placement policies and report allocation and fragmentation.
+#[derive(Debug, Clone, clap::Args)]
+pub struct SimulateArgs {
+    /// Node list CSV (openb: sn,cpu_milli,memory_mib,gpu,model; or gpumem format with gpu_capacity).
+    #[arg(long, default_value = DEFAULT_NODES)]
+    pub nodes: PathBuf,
+    /// Pod list CSV (openb: name,cpu_milli,memory_mib,num_gpu,gpu_milli[,gpu_spec]; or gpumem format).
+    #[arg(long, default_value = DEFAULT_PODS)]
+    pub pods: PathBuf,
+    /// Policies to run (repeat or comma-separate): Random, DotProduct, GpuClustering, GpuPacking, BestFit,
+    /// FGD, gpumem. Default: all seven.
+    #[arg(long = "policy", value_delimiter = ',')]
+    pub policies: Vec<String>,
+    /// Number of seeds (runs per policy).
+    #[arg(long, default_value_t = 10)]
+    pub seeds: u64,
+    /// First seed (the paper's runs use 42..=51).
+    #[arg(long, default_value_t = 42)]
+    pub seed_base: u64,
+    /// Inflate the workload with sampled clones to this multiple of the cluster's GPU capacity.
+    #[arg(long, default_value_t = 1.3)]
+    pub inflate: f64,
+    /// Typical task types: the most popular ones covering this fraction of all tasks.
+    #[arg(long, default_value_t = 0.95)]
+    pub typical: f64,
+    /// Directory for summary.csv, curves.csv and unallocated.svg.
+    #[arg(long, default_value = "simulate-out")]
+    pub out: PathBuf,
+    /// Published numbers to compare with (default: fgd_published_unallocated.csv next to --pods, if any).
+    #[arg(long)]
+    pub published: Option<PathBuf>,
+    /// Break ties between equally scored nodes at random (upstream kube-scheduler) instead of by a
+    /// per-seed node ranking (the paper's patched scheduler picks the smallest node name).
+    #[arg(long)]
+    pub random_ties: bool,
+    /// Worker threads (default: available cores).
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// Time single placement decisions per policy instead of replaying.
+    #[arg(long)]
+    pub bench: bool,
+    /// Decisions timed per policy with --bench.
+    #[arg(long, default_value_t = 2000)]
+    pub bench_decisions: usize,
+    /// No progress bar.
+    #[arg(long)]
+    pub quiet: bool,
+}
+
+/// Resolves the policy list (canonical names, in the standard order when defaulted).
+pub fn policy_list(requested: &[String]) -> Result<Vec<&'static str>> {
+    if requested.is_empty() {
+        return Ok(POLICY_NAMES.to_vec());
+    }
+    let mut out = Vec::new();
+    for r in requested {
+        let Some(p) = canonical_policy_name(r.trim()) else {
+            bail!("unknown policy {r:?}; known: {}", POLICY_NAMES.join(", "));
+        };
+        if !out.contains(&p) {
+            out.push(p);
+        }
+    }
+    Ok(out)
+}
+
+/// Runs every (policy, seed) pair on `threads` threads; results grouped by policy in `policies` order.
+#[allow(clippy::too_many_arguments)]
+pub fn run_all(
+    trace: &Trace,
+    policies: &[&'static str],
+    seeds: &[u64],
+    inflate: f64,
+    mix: &TypicalMix,
+    random_ties: bool,
+    threads: usize,
+    progress: &indicatif::ProgressBar,
+) -> Result<Vec<PolicyRuns>> {
+    let jobs: Vec<(&'static str, u64)> = policies
+        .iter()
+        .flat_map(|p| seeds.iter().map(move |s| (*p, *s)))
+        .collect();
+    let next = AtomicUsize::new(0);
+    let results: Mutex<Vec<Option<Result<RunResult>>>> = Mutex::new((0..jobs.len()).map(|_| None).collect());
+    std::thread::scope(|scope| {
+        for _ in 0..threads.max(1).min(jobs.len().max(1)) {
+            scope.spawn(|| {
+                loop {
+                    let j = next.fetch_add(1, Ordering::Relaxed);
+                    let Some(&(policy, seed)) = jobs.get(j) else { break };
+                    let r = replay::replay(trace, policy, seed, inflate, mix, random_ties, |n| {
+                        progress.inc(n)
+                    });
+                    if let Ok(r) = &r {
+                        tracing::debug!(policy, seed, seconds = r.seconds, "run finished");
+                    }
+                    if let Ok(mut guard) = results.lock() {
+                        guard[j] = Some(r);
+                    }
+                }
+            });
+        }
+    });
+    let results = results
+        .into_inner()
+        .map_err(|_| anyhow::anyhow!("a worker thread panicked"))?;
+    let mut grouped: Vec<PolicyRuns> = policies
+        .iter()
+        .map(|p| PolicyRuns {
+            policy: p,
+            runs: Vec::new(),
+        })
+        .collect();
+    for (j, r) in results.into_iter().enumerate() {
+        let r = r.ok_or_else(|| anyhow::anyhow!("job {j} did not run"))??;
+        let (policy, _) = jobs[j];
+        if let Some(g) = grouped.iter_mut().find(|g| g.policy == policy) {
+            g.runs.push(r);
+        }
+    }
+    Ok(grouped)
+}
+
+fn find_published(args: &SimulateArgs) -> Option<PathBuf> {
+    if let Some(p) = &args.published {
+        return Some(p.clone());
+    }
+    let candidate = args.pods.parent().unwrap_or(Path::new(".")).join(PUBLISHED_FILE);
+    candidate.is_file().then_some(candidate)
+}
+
+fn progress_bar(total: u64, quiet: bool) -> indicatif::ProgressBar {
+    if quiet {
+        return indicatif::ProgressBar::hidden();
+    }
+    let pb = indicatif::ProgressBar::new(total);
+    if let Ok(style) = indicatif::ProgressStyle::with_template(
+        "{elapsed_precise} [{bar:40}] {percent}% pods placed, eta {eta}",
+    ) {
+        pb.set_style(style.progress_chars("=> "));
+    }
+    pb
+}
+
+/// `gpumem simulate`.
+pub fn run(args: &SimulateArgs) -> Result<()> {
+    if !(args.inflate.is_finite() && args.inflate >= 0.0 && args.inflate <= 10.0) {
+        bail!("--inflate must be between 0 and 10, got {}", args.inflate);
+    }
+    if !(args.typical > 0.0 && args.typical <= 1.0) {
+        bail!("--typical must be in (0, 1], got {}", args.typical);
+    }
+    let policies = policy_list(&args.policies)?;
+    let trace = Trace::load(&args.nodes, &args.pods)?;
+    let mix = TypicalMix::from_requests(&trace.pods, args.typical);
+    tracing::info!(
+        types = mix.types.len(),
+        threshold = args.typical,
+        "typical task mix"
+    );
+    let threads = args
+        .threads
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+
+    if args.bench {
+        let rows = bench::run(&trace, &policies, &mix, args.bench_decisions, args.seed_base)?;
+        print!("{}", bench::table(&trace, &rows));
+        return Ok(());
+    }
+    if args.seeds == 0 {
+        bail!("--seeds must be at least 1");
+    }
+    let seeds: Vec<u64> = (args.seed_base..args.seed_base + args.seeds).collect();
+    let per_run = replay::workload(&trace, args.seed_base, args.inflate).len() as u64;
+    let pb = progress_bar(per_run * seeds.len() as u64 * policies.len() as u64, args.quiet);
+    let start = Instant::now();
+    let all = run_all(
+        &trace,
+        &policies,
+        &seeds,
+        args.inflate,
+        &mix,
+        args.random_ties,
+        threads,
+        &pb,
+    )?;
+    pb.finish_and_clear();
+    let elapsed = start.elapsed().as_secs_f64();
+
+    let published: Published = match find_published(args) {
+        Some(p) => report::load_published(&p, &trace.name)?,
+        None => Published::new(),
+    };
+    print!("{}", report::table(&trace.name, &all, &published));
+    let cpu_seconds: f64 = all.iter().flat_map(|p| p.runs.iter().map(|r| r.seconds)).sum();
+    println!(
+        "\n{} runs ({} policies x {} seeds, {} pods each) in {elapsed:.1} s wall, {cpu_seconds:.1} s of runs, {threads} threads",
+        all.iter().map(|p| p.runs.len()).sum::<usize>(),
+        policies.len(),
+        seeds.len(),
+        per_run,
+    );
+    for p in &all {
+        let secs: f64 = p.runs.iter().map(|r| r.seconds).sum::<f64>() / p.runs.len().max(1) as f64;
+        println!("  {:<14}{secs:>8.2} s per run", p.policy);
+    }
+
+    std::fs::create_dir_all(&args.out).with_context(|| format!("cannot create {}", args.out.display()))?;
+    let max_pct = (args.inflate.max(1.0) * 100.0).round() as usize;
+    report::write_summary(&args.out.join("summary.csv"), &trace.name, &all, &published)?;
+    report::write_curves(&args.out.join("curves.csv"), &trace.name, &all, max_pct)?;
+    report::write_chart(&args.out.join("unallocated.svg"), &trace.name, &all, max_pct)?;
+    println!(
+        "wrote {}/{{summary.csv,curves.csv,unallocated.svg}}",
+        args.out.display()
+    );
+    Ok(())
+}

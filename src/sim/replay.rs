@@ -1,0 +1,195 @@
+//! One replay: a trace, a policy, a seed. The paper's protocol: pods are shuffled with the seed, then
+//! clones of uniformly sampled pods are appended until the GPU request reaches `inflate` times the
+//! cluster's GPU capacity; pods arrive one at a time, never leave, and a pod that fits nowhere fails.
+
+use rand::seq::SliceRandom;
+use rand::{RngExt, SeedableRng};
+use rand_pcg::Pcg64Mcg;
+
+use crate::alloc::frag::{FragModel, TypicalMix};
+use crate::alloc::{self, Candidate, Cluster, GpuDemand, Request, TieBreak};
+
+use super::trace::Trace;
+
+/// Per-arrival metrics, averaged in buckets of 1% arrived workload (as the paper's analysis does).
+#[derive(Debug, Clone, Default)]
+pub struct Curve {
+    /// Per bucket: number of arrivals, sums of unallocated %, fragmentation % and fragmentation rate %.
+    pub count: Vec<u32>,
+    pub unalloc: Vec<f64>,
+    pub frag: Vec<f64>,
+    pub frag_rate: Vec<f64>,
+}
+
+impl Curve {
+    fn new(buckets: usize) -> Curve {
+        Curve {
+            count: vec![0; buckets],
+            unalloc: vec![0.0; buckets],
+            frag: vec![0.0; buckets],
+            frag_rate: vec![0.0; buckets],
+        }
+    }
+
+    fn add(&mut self, bucket: usize, unalloc: f64, frag: f64, frag_rate: f64) {
+        if bucket < self.count.len() {
+            self.count[bucket] += 1;
+            self.unalloc[bucket] += unalloc;
+            self.frag[bucket] += frag;
+            self.frag_rate[bucket] += frag_rate;
+        }
+    }
+
+    /// Mean (unallocated %, fragmentation %, fragmentation rate %) at `pct` arrived: the arrivals in that
+    /// bucket, or, if there are none, in the buckets next to it.
+    pub fn at(&self, pct: usize) -> Option<(f64, f64, f64)> {
+        let lo = pct.saturating_sub(1);
+        for range in [pct..pct + 1, lo..pct + 2] {
+            let range = range.start..range.end.min(self.count.len());
+            let n: u32 = self.count[range.clone()].iter().sum();
+            if n > 0 {
+                let mean = |v: &[f64]| v[range.clone()].iter().sum::<f64>() / f64::from(n);
+                return Some((mean(&self.unalloc), mean(&self.frag), mean(&self.frag_rate)));
+            }
+        }
+        None
+    }
+}
+
+/// The outcome of one replay.
+#[derive(Debug, Clone)]
+pub struct RunResult {
+    pub policy: &'static str,
+    pub seed: u64,
+    pub curve: Curve,
+    pub pods: usize,
+    pub failed: usize,
+    /// Final arrived workload, % of GPU capacity.
+    pub arrived_pct: f64,
+    /// Final allocated GPU units and capacity.
+    pub allocated: u64,
+    pub capacity: u64,
+    pub seconds: f64,
+}
+
+/// The pod sequence of one seed: the trace shuffled, then inflated (or trimmed) to `inflate` x capacity.
+pub fn workload(trace: &Trace, seed: u64, inflate: f64) -> Vec<Request> {
+    workload_and_ranks(trace, seed, inflate).0
+}
+
+/// The pod sequence of one seed and the node ranking used to break ties (a random permutation drawn
+/// after the workload, as the paper's simulator prefixes node names with one).
+pub fn workload_and_ranks(trace: &Trace, seed: u64, inflate: f64) -> (Vec<Request>, Vec<u32>) {
+    let mut rng = Pcg64Mcg::seed_from_u64(seed);
+    let mut pods = trace.pods.clone();
+    pods.shuffle(&mut rng);
+    if inflate > 0.0 {
+        inflate_to(trace, &mut pods, inflate, &mut rng);
+    }
+    let mut ranks: Vec<u32> = (0..trace.cluster.nodes.len() as u32).collect();
+    ranks.shuffle(&mut rng);
+    (pods, ranks)
+}
+
+fn inflate_to(trace: &Trace, pods: &mut Vec<Request>, inflate: f64, rng: &mut Pcg64Mcg) {
+    let target = inflate * trace.cluster.gpu_capacity_total() as f64;
+    let mut total: u64 = pods.iter().map(|p| trace.units(p)).sum();
+    while total as f64 > target && !pods.is_empty() {
+        let i = rng.random_range(0..pods.len());
+        total -= trace.units(&pods.remove(i));
+    }
+    let n = trace.pods.len();
+    loop {
+        let clone = trace.pods[rng.random_range(0..n)];
+        let u = trace.units(&clone);
+        if (total + u) as f64 > target {
+            break;
+        }
+        total += u;
+        pods.push(clone);
+    }
+}
+
+/// Replays `trace` with the policy called `policy` and `seed`. `mix` is the trace's typical workload
+/// (used by the fragmentation-aware policies and by the fragmentation metric). With `random_ties`,
+/// equal scores are broken at random instead of by the per-seed node ranking. `progress` is called
+/// with the number of pods placed since the last call.
+#[allow(clippy::too_many_arguments)]
+pub fn replay(
+    trace: &Trace,
+    policy: &str,
+    seed: u64,
+    inflate: f64,
+    mix: &TypicalMix,
+    random_ties: bool,
+    mut progress: impl FnMut(u64),
+) -> anyhow::Result<RunResult> {
+    let start = std::time::Instant::now();
+    let mut cluster: Cluster = trace.cluster.clone();
+    let mut pol = alloc::build_policy(policy, &cluster, mix)
+        .ok_or_else(|| anyhow::anyhow!("unknown policy {policy:?}"))?;
+    let name = pol.name();
+    let (pods, ranks) = workload_and_ranks(trace, seed, inflate);
+    let tie = if random_ties {
+        TieBreak::Random
+    } else {
+        TieBreak::Rank(&ranks)
+    };
+    // The policy's tie-breaking stream is separate from the workload's.
+    let mut rng = Pcg64Mcg::seed_from_u64(seed ^ 0x9e37_79b9_7f4a_7c15);
+    let metric = FragModel::new(mix, &cluster.models, false);
+    let mut node_frag: Vec<f64> = cluster.nodes.iter().map(|n| metric.node_frag(n)).collect();
+    let mut frag_sum: f64 = node_frag.iter().sum();
+
+    let capacity = cluster.gpu_capacity_total();
+    let cap = capacity.max(1) as f64;
+    let buckets = (inflate.max(1.0) * 100.0).ceil() as usize + 3;
+    let mut curve = Curve::new(buckets);
+    let (mut arrived, mut allocated, mut failed) = (0u64, 0u64, 0usize);
+    let mut scratch: Vec<Candidate> = Vec::with_capacity(cluster.nodes.len());
+    let mut since = 0u64;
+    for req in &pods {
+        let units = trace.units(req);
+        arrived += units;
+        match alloc::place(pol.as_mut(), &mut cluster, req, tie, &mut rng, &mut scratch)? {
+            Some(c) => {
+                let n = &cluster.nodes[c.node as usize];
+                allocated += match req.gpu {
+                    GpuDemand::Shared { amount } => u64::from(amount),
+                    _ => c.gpus.iter().map(|g| u64::from(n.gpus[g].capacity)).sum(),
+                };
+                let f = metric.node_frag(n);
+                frag_sum += f - node_frag[c.node as usize];
+                node_frag[c.node as usize] = f;
+            }
+            None => failed += 1,
+        }
+        let idle = (capacity - allocated) as f64;
+        let bucket = (arrived as f64 / cap * 100.0).round_ties_even() as usize;
+        let rate = if idle > 0.0 { frag_sum / idle * 100.0 } else { 0.0 };
+        curve.add(
+            bucket,
+            100.0 - allocated as f64 / cap * 100.0,
+            frag_sum / cap * 100.0,
+            rate,
+        );
+        since += 1;
+        if since == 512 {
+            progress(since);
+            since = 0;
+        }
+    }
+    progress(since);
+    tracing::debug!(policy = name, seed, failed, pods = pods.len(), "replay done");
+    Ok(RunResult {
+        policy: name,
+        seed,
+        curve,
+        pods: pods.len(),
+        failed,
+        arrived_pct: arrived as f64 / cap * 100.0,
+        allocated,
+        capacity,
+        seconds: start.elapsed().as_secs_f64(),
+    })
+}

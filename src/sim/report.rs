@@ -1,0 +1,305 @@
+//! Aggregation over seeds and the outputs: the table, the CSVs and the chart.
+
+use std::collections::HashMap;
+use std::fmt::Write as _;
+use std::path::Path;
+
+use anyhow::{Context, Result};
+
+use super::replay::RunResult;
+use crate::alloc::canonical_policy_name;
+
+/// Arrived-workload points of the table (% of GPU capacity).
+pub const TABLE_PCTS: [usize; 7] = [90, 95, 100, 105, 110, 120, 130];
+
+/// Mean and sample standard deviation.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Stat {
+    pub mean: f64,
+    pub sd: f64,
+    pub n: usize,
+}
+
+impl Stat {
+    pub fn of(values: &[f64]) -> Option<Stat> {
+        let n = values.len();
+        if n == 0 {
+            return None;
+        }
+        let mean = values.iter().sum::<f64>() / n as f64;
+        let var = if n > 1 {
+            values.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / (n - 1) as f64
+        } else {
+            0.0
+        };
+        Some(Stat {
+            mean,
+            sd: var.sqrt(),
+            n,
+        })
+    }
+}
+
+/// Which metric of a curve point.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Metric {
+    Unallocated,
+    Frag,
+    FragRate,
+}
+
+/// All runs of one policy.
+#[derive(Debug, Clone)]
+pub struct PolicyRuns {
+    pub policy: &'static str,
+    pub runs: Vec<RunResult>,
+}
+
+impl PolicyRuns {
+    /// Mean ± sd over seeds of `metric` at `pct` arrived.
+    pub fn at(&self, pct: usize, metric: Metric) -> Option<Stat> {
+        let vals: Vec<f64> = self
+            .runs
+            .iter()
+            .filter_map(|r| r.curve.at(pct))
+            .map(|(u, f, fr)| match metric {
+                Metric::Unallocated => u,
+                Metric::Frag => f,
+                Metric::FragRate => fr,
+            })
+            .collect();
+        Stat::of(&vals)
+    }
+
+    pub fn failed(&self) -> Option<Stat> {
+        Stat::of(&self.runs.iter().map(|r| r.failed as f64).collect::<Vec<_>>())
+    }
+}
+
+/// Published unallocated GPU % (mean, sd) by (policy, arrived %), for one trace.
+pub type Published = HashMap<(&'static str, usize), (f64, f64)>;
+
+/// Reads `fgd_published_unallocated.csv` (`trace,policy,arrived_pct,unallocated_gpu_pct_mean,..._sd,seeds`).
+pub fn load_published(path: &Path, trace: &str) -> Result<Published> {
+    let mut rdr = csv::Reader::from_path(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let mut out = Published::new();
+    for rec in rdr.records() {
+        let rec = rec.with_context(|| format!("{}: malformed CSV", path.display()))?;
+        let line = rec.position().map_or(0, |p| p.line());
+        let get = |i: usize| rec.get(i).map(str::trim).unwrap_or("");
+        if get(0) != trace {
+            continue;
+        }
+        let Some(policy) = canonical_policy_name(get(1)) else {
+            continue;
+        };
+        let bad = || anyhow::anyhow!("{}:{line}: malformed number", path.display());
+        let pct: usize = get(2).parse().map_err(|_| bad())?;
+        let mean: f64 = get(3).parse().map_err(|_| bad())?;
+        let sd: f64 = get(4).parse().unwrap_or(0.0);
+        out.insert((policy, pct), (mean, sd));
+    }
+    Ok(out)
+}
+
+fn cell(s: Option<Stat>) -> String {
+    s.map_or_else(|| "-".to_string(), |s| format!("{:.2} ± {:.2}", s.mean, s.sd))
+}
+
+/// The human table: unallocated GPU % and fragmentation % at each arrived point, mean ± sd over seeds,
+/// with the published value at 100% when known.
+pub fn table(trace: &str, all: &[PolicyRuns], published: &Published) -> String {
+    let mut s = String::new();
+    let seeds = all.iter().map(|p| p.runs.len()).max().unwrap_or(0);
+    for (title, metric) in [
+        (
+            "Unallocated GPU % (100 - allocated / capacity)",
+            Metric::Unallocated,
+        ),
+        (
+            "Fragmentation (% of GPU capacity idle but unusable by the typical mix)",
+            Metric::Frag,
+        ),
+    ] {
+        let _ = writeln!(
+            s,
+            "\n{title}, trace {trace}, mean ± sd over {seeds} seeds, by arrived workload:"
+        );
+        let _ = write!(s, "{:<14}", "policy");
+        for p in TABLE_PCTS {
+            let _ = write!(s, "{:>15}", format!("{p}%"));
+        }
+        if metric == Metric::Unallocated {
+            let _ = write!(s, "{:>12}{:>9}", "paper@100", "diff");
+        }
+        let _ = writeln!(s);
+        for p in all {
+            let _ = write!(s, "{:<14}", p.policy);
+            for pct in TABLE_PCTS {
+                let _ = write!(s, "{:>15}", cell(p.at(pct, metric)));
+            }
+            if metric == Metric::Unallocated {
+                match (published.get(&(p.policy, 100)), p.at(100, metric)) {
+                    (Some((m, _)), Some(ours)) => {
+                        let _ = write!(s, "{m:>12.2}{:>+9.2}", ours.mean - m);
+                    }
+                    _ => {
+                        let _ = write!(s, "{:>12}{:>9}", "-", "");
+                    }
+                }
+            }
+            let _ = writeln!(s);
+        }
+    }
+    let _ = writeln!(s, "\nFailed pods (mean ± sd):");
+    for p in all {
+        let _ = writeln!(s, "  {:<14}{}", p.policy, cell(p.failed()));
+    }
+    s
+}
+
+/// `summary.csv`: one row per policy and table point.
+pub fn write_summary(path: &Path, trace: &str, all: &[PolicyRuns], published: &Published) -> Result<()> {
+    let mut w = csv::Writer::from_path(path).with_context(|| format!("cannot write {}", path.display()))?;
+    w.write_record([
+        "trace",
+        "policy",
+        "arrived_pct",
+        "unallocated_gpu_pct_mean",
+        "unallocated_gpu_pct_sd",
+        "frag_pct_mean",
+        "frag_pct_sd",
+        "frag_rate_pct_mean",
+        "frag_rate_pct_sd",
+        "published_unallocated_gpu_pct",
+        "seeds",
+    ])?;
+    for p in all {
+        for pct in TABLE_PCTS {
+            let (Some(u), Some(f), Some(r)) = (
+                p.at(pct, Metric::Unallocated),
+                p.at(pct, Metric::Frag),
+                p.at(pct, Metric::FragRate),
+            ) else {
+                continue;
+            };
+            let publ = published
+                .get(&(p.policy, pct))
+                .map_or(String::new(), |(m, _)| format!("{m:.2}"));
+            w.write_record([
+                trace.to_string(),
+                p.policy.to_string(),
+                pct.to_string(),
+                format!("{:.4}", u.mean),
+                format!("{:.4}", u.sd),
+                format!("{:.4}", f.mean),
+                format!("{:.4}", f.sd),
+                format!("{:.4}", r.mean),
+                format!("{:.4}", r.sd),
+                publ,
+                u.n.to_string(),
+            ])?;
+        }
+    }
+    w.flush()?;
+    Ok(())
+}
+
+/// `curves.csv`: every 1% of arrived workload, per policy.
+pub fn write_curves(path: &Path, trace: &str, all: &[PolicyRuns], max_pct: usize) -> Result<()> {
+    let mut w = csv::Writer::from_path(path).with_context(|| format!("cannot write {}", path.display()))?;
+    w.write_record([
+        "trace",
+        "policy",
+        "arrived_pct",
+        "unallocated_gpu_pct_mean",
+        "unallocated_gpu_pct_sd",
+        "frag_pct_mean",
+        "frag_pct_sd",
+        "frag_rate_pct_mean",
+        "frag_rate_pct_sd",
+        "seeds",
+    ])?;
+    for p in all {
+        for pct in 0..=max_pct {
+            let (Some(u), Some(f), Some(r)) = (
+                p.at(pct, Metric::Unallocated),
+                p.at(pct, Metric::Frag),
+                p.at(pct, Metric::FragRate),
+            ) else {
+                continue;
+            };
+            w.write_record([
+                trace.to_string(),
+                p.policy.to_string(),
+                pct.to_string(),
+                format!("{:.4}", u.mean),
+                format!("{:.4}", u.sd),
+                format!("{:.4}", f.mean),
+                format!("{:.4}", f.sd),
+                format!("{:.4}", r.mean),
+                format!("{:.4}", r.sd),
+                u.n.to_string(),
+            ])?;
+        }
+    }
+    w.flush()?;
+    Ok(())
+}
+
+/// The chart: unallocated GPU % against arrived workload, one line per policy (SVG).
+pub fn write_chart(path: &Path, trace: &str, all: &[PolicyRuns], max_pct: usize) -> Result<()> {
+    use plotters::prelude::*;
+
+    let from = 50usize.min(max_pct);
+    let series: Vec<(&str, Vec<(f64, f64)>)> = all
+        .iter()
+        .map(|p| {
+            let pts = (from..=max_pct)
+                .filter_map(|x| p.at(x, Metric::Unallocated).map(|s| (x as f64, s.mean)))
+                .collect();
+            (p.policy, pts)
+        })
+        .collect();
+    let y_max = series
+        .iter()
+        .flat_map(|(_, v)| v.iter().map(|p| p.1))
+        .fold(1.0f64, f64::max)
+        * 1.05;
+    let root = SVGBackend::new(path, (900, 560)).into_drawing_area();
+    let err = |e: &dyn std::fmt::Display| anyhow::anyhow!("chart {}: {e}", path.display());
+    root.fill(&WHITE).map_err(|e| err(&e))?;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(
+            format!("Unallocated GPU % vs arrived workload ({trace})"),
+            ("sans-serif", 20),
+        )
+        .margin(12)
+        .x_label_area_size(40)
+        .y_label_area_size(50)
+        .build_cartesian_2d(from as f64..max_pct as f64, 0.0..y_max)
+        .map_err(|e| err(&e))?;
+    chart
+        .configure_mesh()
+        .x_desc("arrived workload (% of GPU capacity)")
+        .y_desc("unallocated GPU %")
+        .draw()
+        .map_err(|e| err(&e))?;
+    for (i, (name, pts)) in series.into_iter().enumerate() {
+        let color = Palette99::pick(i).to_rgba();
+        chart
+            .draw_series(LineSeries::new(pts, color.stroke_width(2)))
+            .map_err(|e| err(&e))?
+            .label(name)
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2)));
+    }
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperRight)
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .draw()
+        .map_err(|e| err(&e))?;
+    root.present().map_err(|e| err(&e))?;
+    Ok(())
+}

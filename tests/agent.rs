@@ -1,0 +1,450 @@
+//! The real `gpumem agent` process against a kubelet double, over real unix sockets, with the fake
+//! NVML library as its driver.
+
+mod support;
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use gpumem::plugin::proto::v1beta1::Device;
+use support::InjectFile;
+use support::kubelet::{FakeKubelet, FakePodResources};
+
+const GPU: &str = "nvidia.com/gpu";
+const MEM: &str = "nvidia.com/gpu-mem";
+const WAIT: Duration = Duration::from_secs(20);
+
+/// A running agent; killed when dropped.
+struct Agent {
+    child: Child,
+    stderr: PathBuf,
+}
+
+impl Agent {
+    fn start(dir: &Path, profile: &str, inject: &Path, extra: &[&str]) -> Agent {
+        let stderr = dir.join(format!("agent-{}.log", std::process::id()));
+        let log = std::fs::File::options()
+            .create(true)
+            .append(true)
+            .open(&stderr)
+            .unwrap();
+        let child = Command::new(env!("CARGO_BIN_EXE_gpumem"))
+            .arg("agent")
+            .arg("--device-plugin-dir")
+            .arg(dir.join("plugins"))
+            .arg("--pod-resources-socket")
+            .arg(dir.join("pod-resources.sock"))
+            .args(["--health-quiet-period", "1", "--health-probe-interval", "1"])
+            .args(extra)
+            .env("LD_LIBRARY_PATH", support::fake_nvml_dir())
+            .env("GPUMEM_FAKE_NVML_PROFILE", profile)
+            .env("GPUMEM_FAKE_NVML_INJECT", inject)
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .unwrap();
+        Agent { child, stderr }
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.stderr).unwrap_or_default()
+    }
+
+    /// SIGTERM, then the exit status.
+    fn terminate(mut self) -> std::process::ExitStatus {
+        let pid = self.child.id().to_string();
+        Command::new("kill").args(["-TERM", &pid]).status().unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return status;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the agent did not exit on SIGTERM:\n{}",
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A node: temp dir, kubelet double, PodResources double, inject file.
+struct Node {
+    dir: tempfile::TempDir,
+    kubelet: FakeKubelet,
+    pods: FakePodResources,
+    inject: InjectFile,
+}
+
+impl Node {
+    async fn new() -> Node {
+        let dir = tempfile::Builder::new().prefix("gpm").tempdir_in("/tmp").unwrap();
+        let kubelet = FakeKubelet::start(&dir.path().join("plugins")).await;
+        let pods = FakePodResources::start(&dir.path().join("pod-resources.sock")).await;
+        let inject = InjectFile::new(dir.path().join("inject.toml"));
+        Node {
+            dir,
+            kubelet,
+            pods,
+            inject,
+        }
+    }
+
+    fn agent(&self, profile: &str, extra: &[&str]) -> Agent {
+        Agent::start(self.dir.path(), profile, self.inject.path(), extra)
+    }
+}
+
+fn ids(devices: &[Device], healthy: bool) -> Vec<String> {
+    devices
+        .iter()
+        .filter(|d| (d.health == "Healthy") == healthy)
+        .map(|d| d.id.clone())
+        .collect()
+}
+
+fn units(gpu: u32, range: std::ops::Range<u64>) -> Vec<String> {
+    range.map(|n| format!("{gpu}-{n}")).collect()
+}
+
+fn refs(v: &[String]) -> Vec<&str> {
+    v.iter().map(String::as_str).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn registers_both_resources_with_topology_and_preferred_allocation() {
+    let node = Node::new().await;
+    let _agent = node.agent("t4x4", &[]);
+    let reg = node.kubelet.wait_registered(GPU, WAIT).await;
+    assert_eq!(reg.version, "v1beta1");
+    node.kubelet.wait_registered(MEM, WAIT).await;
+    assert!(node.kubelet.options(GPU).get_preferred_allocation_available);
+    assert!(node.kubelet.options(MEM).get_preferred_allocation_available);
+
+    let gpus = node.kubelet.wait_devices(GPU, WAIT, |d| d.len() == 4).await;
+    assert_eq!(ids(&gpus, true).len(), 4);
+    assert!(gpus.iter().all(|d| d.id.starts_with("GPU-")));
+    assert_eq!(
+        gpus[2].topology.as_ref().unwrap().nodes[0].id,
+        1,
+        "GPU 2 sits on NUMA node 1"
+    );
+    let mem = node
+        .kubelet
+        .wait_devices(MEM, WAIT, |d| d.len() == 4 * 15360)
+        .await;
+    assert_eq!(mem[15360].id, "1-0");
+    assert!(node.kubelet.stream_errors(MEM).is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_lands_on_one_gpu_best_fit_and_five_never_fits_in_four_plus_four() {
+    let node = Node::new().await;
+    // 1024 MiB units: 15 per T4. Pods already hold 10 units of GPU 1 and 11 of GPUs 0 and 3.
+    node.pods
+        .add_container("team", "a", "c", MEM, &refs(&units(1, 0..10)));
+    node.pods
+        .add_container("team", "b", "c", MEM, &refs(&units(0, 0..11)));
+    node.pods
+        .add_container("team", "b", "c", MEM, &refs(&units(3, 0..11)));
+    let _agent = node.agent("t4x4", &["--mem-unit-mib", "1024"]);
+    node.kubelet.wait_registered(MEM, WAIT).await;
+    let uuid1 = node.kubelet.wait_devices(GPU, WAIT, |d| d.len() == 4).await[1]
+        .id
+        .clone();
+
+    // Offered: GPU 0 4 units, GPU 1 5, GPU 2 15. Five units fit GPU 1 most tightly.
+    let mut available = units(0, 11..15);
+    available.extend(units(1, 10..15));
+    available.extend(units(2, 0..15));
+    let chosen = node
+        .kubelet
+        .preferred(MEM, &refs(&available), &[], 5)
+        .await
+        .unwrap();
+    assert_eq!(chosen, units(1, 10..15), "5 units: GPU 1 is the tightest fit");
+
+    let response = node.kubelet.allocate(MEM, &refs(&chosen)).await.unwrap();
+    assert_eq!(response.envs["NVIDIA_VISIBLE_DEVICES"], uuid1);
+    assert_eq!(response.envs["GPUMEM_LIMIT_MIB"], "5120");
+
+    let halves: Vec<String> = units(0, 11..15).into_iter().chain(units(3, 11..15)).collect();
+    let err = node
+        .kubelet
+        .preferred(MEM, &refs(&halves), &[], 5)
+        .await
+        .unwrap_err();
+    assert!(
+        err.message().contains("no single GPU has 5120 MiB free"),
+        "{}",
+        err.message()
+    );
+
+    let spanning: Vec<String> = units(0, 11..13).into_iter().chain(units(2, 0..2)).collect();
+    let err = node.kubelet.allocate(MEM, &refs(&spanning)).await.unwrap_err();
+    assert!(err.message().contains("span several GPUs"), "{}", err.message());
+    let err = node.kubelet.allocate(MEM, &["7-0"]).await.unwrap_err();
+    assert!(err.message().contains("unknown device"), "{}", err.message());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn whole_and_shared_exclude_each_other_both_ways() {
+    let node = Node::new().await;
+    let _agent = node.agent("t4x4", &["--mem-unit-mib", "1024"]);
+    node.kubelet.wait_registered(MEM, WAIT).await;
+    let gpus = node.kubelet.wait_devices(GPU, WAIT, |d| d.len() == 4).await;
+    let uuid = |a: usize| gpus[a].id.clone();
+
+    node.kubelet.allocate(MEM, &refs(&units(0, 0..2))).await.unwrap();
+    let after = node
+        .kubelet
+        .wait_devices(GPU, WAIT, |d| d.iter().any(|x| x.health == "Unhealthy"))
+        .await;
+    assert_eq!(
+        ids(&after, false),
+        vec![uuid(0)],
+        "a shared GPU is not allocatable whole"
+    );
+    let err = node.kubelet.allocate(GPU, &[uuid(0).as_str()]).await.unwrap_err();
+    assert!(err.message().contains("is shared"), "{}", err.message());
+
+    node.kubelet.allocate(GPU, &[uuid(1).as_str()]).await.unwrap();
+    let mem = node
+        .kubelet
+        .wait_devices(MEM, WAIT, |d| {
+            d.iter()
+                .any(|x| x.id.starts_with("1-") && x.health == "Unhealthy")
+        })
+        .await;
+    assert!(ids(&mem, false).iter().all(|id| id.starts_with("1-")));
+    assert_eq!(ids(&mem, false).len(), 15);
+    let err = node.kubelet.allocate(MEM, &["1-0"]).await.unwrap_err();
+    assert!(err.message().contains("allocated whole"), "{}", err.message());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn whole_gpus_follow_nvlink_switches_and_numa_nodes() {
+    for (profile, expect2, expect4) in [
+        ("dgx-a100", vec![0, 1], vec![0, 1, 2, 3]),
+        ("t4x4", vec![0, 1], vec![0, 1, 2, 3]),
+    ] {
+        let node = Node::new().await;
+        let _agent = node.agent(profile, &["--mem-unit-mib", "64"]);
+        node.kubelet.wait_registered(GPU, WAIT).await;
+        let gpus = node.kubelet.wait_devices(GPU, WAIT, |d| !d.is_empty()).await;
+        let all: Vec<String> = gpus.iter().map(|d| d.id.clone()).collect();
+        let pick = |v: &[usize]| v.iter().map(|&a| all[a].clone()).collect::<Vec<_>>();
+        assert_eq!(
+            node.kubelet.preferred(GPU, &refs(&all), &[], 2).await.unwrap(),
+            pick(&expect2),
+            "{profile}"
+        );
+        assert_eq!(
+            node.kubelet.preferred(GPU, &refs(&all), &[], 4).await.unwrap(),
+            pick(&expect4),
+            "{profile}"
+        );
+        // GPU 0 taken: a pair comes from one NUMA node (t4x4) / one switch (dgx-a100) among the rest.
+        let rest = &all[1..];
+        let pair = node.kubelet.preferred(GPU, &refs(rest), &[], 2).await.unwrap();
+        assert_eq!(pair, pick(&[2, 3]), "{profile}");
+        // must_include is honoured.
+        let with7 = node
+            .kubelet
+            .preferred(GPU, &refs(&all), &[all.last().unwrap().as_str()], 2)
+            .await
+            .unwrap();
+        assert!(with7.contains(all.last().unwrap()), "{profile}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_agent_restores_allocations_from_pod_resources() {
+    let node = Node::new().await;
+    let agent = node.agent("t4x4", &["--mem-unit-mib", "1024"]);
+    node.kubelet.wait_registered(MEM, WAIT).await;
+    let gpus = node.kubelet.wait_devices(GPU, WAIT, |d| d.len() == 4).await;
+    let uuid = |a: usize| gpus[a].id.clone();
+    // The kubelet hands out units of GPU 2 and GPU 3 whole, and lists them; then the agent dies.
+    node.kubelet.allocate(MEM, &refs(&units(2, 0..3))).await.unwrap();
+    node.kubelet.allocate(GPU, &[uuid(3).as_str()]).await.unwrap();
+    node.pods
+        .add_container("ns", "infer", "c", MEM, &refs(&units(2, 0..3)));
+    node.pods
+        .add_container("ns", "train", "c", GPU, &[uuid(3).as_str()]);
+    let registered_before = (
+        node.kubelet.registrations(GPU).len(),
+        node.kubelet.registrations(MEM).len(),
+    );
+    drop(agent);
+
+    let _agent = node.agent("t4x4", &["--mem-unit-mib", "1024"]);
+    let deadline = Instant::now() + WAIT;
+    while (
+        node.kubelet.registrations(GPU).len(),
+        node.kubelet.registrations(MEM).len(),
+    ) <= registered_before
+    {
+        assert!(Instant::now() < deadline, "the restarted agent did not register");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let gpus = node
+        .kubelet
+        .wait_devices(GPU, WAIT, |d| {
+            d.len() == 4 && d.iter().any(|x| x.health == "Unhealthy")
+        })
+        .await;
+    assert_eq!(
+        ids(&gpus, false),
+        vec![uuid(2)],
+        "GPU 2 is shared, from the first List"
+    );
+    let mem = node
+        .kubelet
+        .wait_devices(MEM, WAIT, |d| d.iter().any(|x| x.health == "Unhealthy"))
+        .await;
+    assert!(
+        ids(&mem, false).iter().all(|id| id.starts_with("3-")),
+        "GPU 3 is held whole"
+    );
+
+    let all: Vec<String> = (0..4).map(uuid).collect();
+    let one = node.kubelet.preferred(GPU, &refs(&all), &[], 1).await.unwrap();
+    assert_ne!(one, vec![uuid(2)]);
+    assert!(
+        node.kubelet.allocate(GPU, &[uuid(2).as_str()]).await.is_err(),
+        "no double allocation"
+    );
+    assert!(
+        node.kubelet.allocate(MEM, &["3-5"]).await.is_err(),
+        "no double allocation"
+    );
+
+    // The pod on GPU 2 ends: GPU 2 is whole-allocatable again within a poll or two.
+    node.pods.remove_pod("ns", "infer");
+    let gpus = node
+        .kubelet
+        .wait_devices(GPU, WAIT, |d| d.iter().all(|x| x.health == "Healthy"))
+        .await;
+    assert_eq!(ids(&gpus, true).len(), 4);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kubelet_restart_is_followed_by_re_registration_with_state_kept() {
+    let node = Node::new().await;
+    let agent = node.agent("t4x4", &["--mem-unit-mib", "1024"]);
+    node.kubelet.wait_registered(GPU, WAIT).await;
+    node.kubelet.wait_registered(MEM, WAIT).await;
+    node.kubelet.allocate(MEM, &refs(&units(0, 0..2))).await.unwrap();
+    node.kubelet
+        .wait_devices(GPU, WAIT, |d| d.iter().any(|x| x.health == "Unhealthy"))
+        .await;
+
+    let Node {
+        dir,
+        kubelet,
+        pods,
+        inject,
+    } = node;
+    let started = Instant::now();
+    let kubelet = kubelet.restart().await;
+    kubelet.wait_registered(GPU, WAIT).await;
+    kubelet.wait_registered(MEM, WAIT).await;
+    eprintln!("re-registered {:?} after the kubelet restart", started.elapsed());
+    // The agent's picture survived: GPU 0 is still shared (the kubelet double has not listed it).
+    let gpus = kubelet.wait_devices(GPU, WAIT, |d| d.len() == 4).await;
+    assert_eq!(ids(&gpus, false).len(), 1);
+    let sockets: Vec<String> = std::fs::read_dir(dir.path().join("plugins"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert!(sockets.contains(&"gpumem-gpu.sock".to_string()), "{sockets:?}");
+
+    // SIGTERM: clean exit, sockets removed.
+    assert!(agent.terminate().success());
+    assert!(!dir.path().join("plugins/gpumem-gpu.sock").exists());
+    assert!(!dir.path().join("plugins/gpumem-gpu-mem.sock").exists());
+    drop((pods, inject));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_xid_or_a_lost_gpu_makes_it_unhealthy_until_it_recovers() {
+    let mut node = Node::new().await;
+    let _agent = node.agent("t4x4", &["--mem-unit-mib", "1024"]);
+    node.kubelet.wait_registered(MEM, WAIT).await;
+    let gpus = node.kubelet.wait_devices(GPU, WAIT, |d| d.len() == 4).await;
+    let uuid1 = gpus[1].id.clone();
+
+    node.inject.push_xid(1, 13);
+    node.inject.push_xid(1, 79);
+    let gpus = node
+        .kubelet
+        .wait_devices(GPU, WAIT, |d| d.iter().any(|x| x.health == "Unhealthy"))
+        .await;
+    assert_eq!(ids(&gpus, false), vec![uuid1.clone()]);
+    let mem = node
+        .kubelet
+        .wait_devices(MEM, WAIT, |d| d.iter().any(|x| x.health == "Unhealthy"))
+        .await;
+    assert!(ids(&mem, false).iter().all(|id| id.starts_with("1-")) && ids(&mem, false).len() == 15);
+    let err = node.kubelet.allocate(GPU, &[uuid1.as_str()]).await.unwrap_err();
+    assert!(err.message().contains("XID 79"), "{}", err.message());
+    // Quiet for a second and answering: healthy again.
+    node.kubelet
+        .wait_devices(GPU, WAIT, |d| {
+            d.len() == 4 && d.iter().all(|x| x.health == "Healthy")
+        })
+        .await;
+
+    node.inject.set_lost(&[2]);
+    let gpus = node
+        .kubelet
+        .wait_devices(GPU, WAIT, |d| d.iter().any(|x| x.health == "Unhealthy"))
+        .await;
+    assert_eq!(ids(&gpus, false), vec![gpus[2].id.clone()]);
+    node.inject.set_lost(&[]);
+    node.kubelet
+        .wait_devices(GPU, WAIT, |d| {
+            d.len() == 4 && d.iter().all(|x| x.health == "Healthy")
+        })
+        .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_device_list_over_the_kubelet_limit_is_never_sent() {
+    let node = Node::new().await;
+    let agent = node.agent("dgx-a100", &[]);
+    node.kubelet.wait_registered(GPU, WAIT).await;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !agent.log().contains("NOT advertised") {
+        assert!(
+            Instant::now() < deadline,
+            "no budget error logged:\n{}",
+            agent.log()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(agent.log().contains("--mem-unit-mib 5"), "{}", agent.log());
+    assert!(node.kubelet.registrations(MEM).is_empty());
+    drop(agent);
+
+    let node = Node::new().await;
+    let _agent = node.agent("dgx-a100", &["--mem-unit-mib", "5"]);
+    node.kubelet.wait_registered(MEM, WAIT).await;
+    let mem = node
+        .kubelet
+        .wait_devices(MEM, WAIT, |d| d.len() == 8 * 16384)
+        .await;
+    assert_eq!(mem.len(), 131_072);
+    assert!(node.kubelet.stream_errors(MEM).is_empty());
+}

@@ -1,0 +1,255 @@
+//! End-to-end checks of `gpumem simulate` on small synthetic traces (never the Alibaba trace itself).
+
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+
+use gpumem::alloc::{self, POLICY_NAMES, TieBreak, TypicalMix};
+use gpumem::sim::replay;
+use gpumem::sim::trace::Trace;
+use rand::SeedableRng;
+
+/// A small openb-format cluster: 2-, 4- and 8-GPU nodes of two models, and a pod mix of shared,
+/// whole-GPU, multi-GPU and CPU-only pods (some restricted to one model).
+fn synthetic(dir: &Path) -> (PathBuf, PathBuf) {
+    let mut nodes = String::from("sn,cpu_milli,memory_mib,gpu,model\n");
+    for i in 0..12 {
+        let (gpus, cpu, model) = match i % 3 {
+            0 => (2, 16_000, "P100"),
+            1 => (4, 48_000, "T4"),
+            _ => (8, 96_000, "G2"),
+        };
+        let _ = writeln!(nodes, "node-{i:02},{cpu},262144,{gpus},{model}");
+    }
+    let mut pods = String::from("name,cpu_milli,memory_mib,num_gpu,gpu_milli,gpu_spec\n");
+    let shapes = [
+        (4000, 8192, 1, 500, ""),
+        (3000, 4096, 1, 250, ""),
+        (8000, 16384, 1, 1000, ""),
+        (2000, 4096, 1, 810, "T4"),
+        (16_000, 65536, 2, 1000, ""),
+        (32_000, 131072, 8, 1000, "G2"),
+        (6000, 8192, 0, 0, ""),
+        (4000, 8192, 1, 330, "P100|T4"),
+    ];
+    for i in 0..60 {
+        let (cpu, mem, n, milli, spec) = shapes[i % shapes.len()];
+        let _ = writeln!(pods, "pod-{i:03},{cpu},{mem},{n},{milli},{spec}");
+    }
+    let (n, p) = (dir.join("nodes.csv"), dir.join("openb_pod_list_synthetic.csv"));
+    std::fs::write(&n, nodes).expect("write nodes");
+    std::fs::write(&p, pods).expect("write pods");
+    (n, p)
+}
+
+#[test]
+fn every_policy_respects_capacity_and_the_protocol() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (nodes, pods) = synthetic(dir.path());
+    let trace = Trace::load(&nodes, &pods).expect("load");
+    assert_eq!(trace.name, "synthetic");
+    let mix = TypicalMix::from_requests(&trace.pods, 0.95);
+    let capacity = trace.cluster.gpu_capacity_total();
+    let inflate = 1.3;
+    for seed in [1u64, 2] {
+        let (pods_seq, ranks) = replay::workload_and_ranks(&trace, seed, inflate);
+        let arrived: u64 = pods_seq.iter().map(|p| trace.units(p)).sum();
+        let target = inflate * capacity as f64;
+        let largest = trace.pods.iter().map(|p| trace.units(p)).max().unwrap_or(0) as f64;
+        assert!(
+            arrived as f64 <= target && arrived as f64 > target - largest,
+            "arrived {arrived} vs {target}"
+        );
+        for name in POLICY_NAMES {
+            let mut cluster = trace.cluster.clone();
+            let mut policy = alloc::build_policy(name, &cluster, &mix).expect("known policy");
+            let mut rng = rand_pcg::Pcg64Mcg::seed_from_u64(seed);
+            let mut out = Vec::new();
+            let mut allocated = 0u64;
+            for req in &pods_seq {
+                let placed = alloc::place(
+                    policy.as_mut(),
+                    &mut cluster,
+                    req,
+                    TieBreak::Rank(&ranks),
+                    &mut rng,
+                    &mut out,
+                )
+                .expect("the chosen placement is valid");
+                if let Some(c) = placed {
+                    let node = &cluster.nodes[c.node as usize];
+                    assert!(
+                        req.models
+                            .is_none_or(|m| req.gpu == alloc::GpuDemand::None || m.contains(node.model))
+                    );
+                    allocated += match req.gpu {
+                        alloc::GpuDemand::Shared { amount } => u64::from(amount),
+                        _ => c.gpus.iter().map(|g| u64::from(node.gpus[g].capacity)).sum(),
+                    };
+                } else {
+                    assert!(
+                        !cluster.nodes.iter().any(|n| n.fits(req)),
+                        "{name} failed a pod that fits"
+                    );
+                }
+                for n in &cluster.nodes {
+                    assert!(n.cpu_free <= n.cpu_capacity && n.memory_free <= n.memory_capacity);
+                    assert!(n.gpus.iter().all(|g| g.free <= g.capacity));
+                }
+                assert_eq!(
+                    allocated,
+                    capacity - cluster.gpu_free_total(),
+                    "{name}: allocation bookkeeping"
+                );
+            }
+            assert!(allocated <= capacity);
+        }
+    }
+}
+
+#[test]
+fn curves_are_monotone_and_runs_are_reproducible() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (nodes, pods) = synthetic(dir.path());
+    let trace = Trace::load(&nodes, &pods).expect("load");
+    let mix = TypicalMix::from_requests(&trace.pods, 0.95);
+    for name in POLICY_NAMES {
+        let r = replay::replay(&trace, name, 7, 1.3, &mix, false, |_| {}).expect("replay");
+        assert!(r.allocated <= r.capacity);
+        assert!(
+            r.arrived_pct <= 130.0 + 1e-9 && r.arrived_pct > 100.0,
+            "{name}: {}",
+            r.arrived_pct
+        );
+        // Pods never leave: the unallocated share can only fall as work arrives.
+        let points: Vec<f64> = (0..=130)
+            .filter_map(|p| r.curve.at(p))
+            .map(|(u, _, _)| u)
+            .collect();
+        assert!(points.len() > 10);
+        assert!(
+            points.windows(2).all(|w| w[1] <= w[0] + 1e-9),
+            "{name}: {points:?}"
+        );
+        for p in 0..=130 {
+            if let Some((u, f, rate)) = r.curve.at(p) {
+                assert!(
+                    (0.0..=100.0).contains(&u)
+                        && f >= -1e-9
+                        && f <= u + 1e-9
+                        && (0.0..=100.0 + 1e-9).contains(&rate)
+                );
+            }
+        }
+        let again = replay::replay(&trace, name, 7, 1.3, &mix, false, |_| {}).expect("replay");
+        assert_eq!(
+            (r.failed, r.allocated),
+            (again.failed, again.allocated),
+            "{name} is not reproducible"
+        );
+    }
+}
+
+#[test]
+fn simulate_writes_table_csvs_and_chart() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (nodes, pods) = synthetic(dir.path());
+    let out = dir.path().join("out");
+    let args = gpumem::sim::SimulateArgs {
+        nodes,
+        pods,
+        policies: vec!["BestFit".into(), "fgd".into(), "gpumem".into()],
+        seeds: 2,
+        seed_base: 42,
+        inflate: 1.3,
+        typical: 0.95,
+        out: out.clone(),
+        published: None,
+        random_ties: false,
+        threads: Some(2),
+        bench: false,
+        bench_decisions: 10,
+        quiet: true,
+    };
+    gpumem::sim::run(&args).expect("simulate");
+    let summary = std::fs::read_to_string(out.join("summary.csv")).expect("summary");
+    assert!(summary.starts_with("trace,policy,arrived_pct,unallocated_gpu_pct_mean"));
+    assert!(summary.contains("synthetic,FGD,") && summary.contains("synthetic,gpumem,"));
+    let curves = std::fs::read_to_string(out.join("curves.csv")).expect("curves");
+    assert!(curves.lines().count() > 100);
+    let svg = std::fs::read_to_string(out.join("unallocated.svg")).expect("chart");
+    assert!(svg.contains("<svg") && svg.contains("gpumem"));
+
+    let bench = gpumem::sim::SimulateArgs { bench: true, ..args };
+    gpumem::sim::run(&bench).expect("bench");
+}
+
+#[test]
+fn malformed_rows_name_file_and_line() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (nodes, _) = synthetic(dir.path());
+    let bad = dir.path().join("bad.csv");
+    std::fs::write(
+        &bad,
+        "name,cpu_milli,memory_mib,num_gpu,gpu_milli\np0,1000,10,1,500\np1,lots,10,1,500\n",
+    )
+    .expect("write");
+    let err = Trace::load(&nodes, &bad).expect_err("bad cpu").to_string();
+    assert!(err.contains("bad.csv:3") && err.contains("cpu_milli"), "{err}");
+
+    std::fs::write(
+        &bad,
+        "name,cpu_milli,memory_mib,num_gpu,gpu_milli\np0,1000,10,2,500\n",
+    )
+    .expect("write");
+    let err = Trace::load(&nodes, &bad).expect_err("2 shared GPUs").to_string();
+    assert!(err.contains("bad.csv:2"), "{err}");
+
+    std::fs::write(
+        &bad,
+        "name,cpu_milli,memory_mib,num_gpu,gpu_mem\np0,1000,10,1,5000\n",
+    )
+    .expect("write");
+    let err = Trace::load(&nodes, &bad).expect_err("both resources").to_string();
+    assert!(err.contains("at once"), "{err}");
+
+    let missing = dir.path().join("missing.csv");
+    let err = Trace::load(&missing, &bad).expect_err("missing").to_string();
+    assert!(err.contains("missing.csv"), "{err}");
+}
+
+#[test]
+fn gpumem_format_with_mixed_capacities() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let nodes = dir.path().join("nodes.csv");
+    let pods = dir.path().join("pods.csv");
+    std::fs::write(&nodes, "name,cpu_milli,memory_mib,gpu,model,gpu_capacity\nt4,64000,256000,4,T4,15360\na100,64000,256000,2,A100,81920\n")
+        .expect("write");
+    let mut p = String::from("name,cpu_milli,memory_mib,num_gpu,gpu_mem,gpu_spec\n");
+    for i in 0..20 {
+        let (n, mem) = if i % 4 == 0 {
+            (1, 0)
+        } else {
+            (0, 5000 + 1000 * (i % 7))
+        };
+        let _ = writeln!(p, "p{i},2000,4096,{n},{mem},");
+    }
+    std::fs::write(&pods, p).expect("write");
+    let trace = Trace::load(&nodes, &pods).expect("load");
+    assert_eq!(trace.cluster.nodes[1].gpus[0].capacity, 81_920);
+    let mix = TypicalMix::from_requests(&trace.pods, 1.0);
+    let r = replay::replay(&trace, "gpumem", 1, 1.3, &mix, false, |_| {}).expect("replay");
+    assert!(r.allocated <= r.capacity && r.allocated > 0);
+}
+
+#[test]
+fn openb_trace_loads_when_present() {
+    let nodes = Path::new("../shared/traces/openb/openb_node_list_gpu_node.csv");
+    let pods = Path::new("../shared/traces/openb/openb_pod_list_default.csv");
+    if !nodes.is_file() || !pods.is_file() {
+        return;
+    }
+    let trace = Trace::load(nodes, pods).expect("load openb");
+    assert_eq!(trace.cluster.nodes.len(), 1213);
+    assert_eq!(trace.cluster.gpu_count(), 6212);
+    assert_eq!(trace.pods.len(), 8152);
+}
