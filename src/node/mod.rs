@@ -13,6 +13,12 @@ use crate::gpu::{GpuInventory, NvLinkPeer};
 pub const TOPOLOGY_ANNOTATION: &str = "gpumem.io/gpu-topology";
 /// Per-GPU usage (JSON, [`UsageAnnotation`]).
 pub const USAGE_ANNOTATION: &str = "gpumem.io/gpu-usage";
+/// On a pod: the GPU(s) the scorer chose at bind time, as comma-separated GPU UUIDs. The agent's
+/// GetPreferredAllocation honours it for a pod bound to its node and not yet allocated; Allocate
+/// never trusts it (the device IDs the kubelet passes decide).
+pub const ASSIGNED_GPUS_ANNOTATION: &str = "gpumem.io/assigned-gpus";
+/// On a pod: when the scorer made that choice (RFC 3339); old choices expire.
+pub const ASSIGNED_AT_ANNOTATION: &str = "gpumem.io/assigned-at";
 /// The schema version both annotations carry; a reader refuses any other.
 pub const ANNOTATION_VERSION: u32 = 1;
 
