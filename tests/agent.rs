@@ -36,6 +36,11 @@ impl Agent {
             .arg("--pod-resources-socket")
             .arg(dir.join("pod-resources.sock"))
             .args(["--health-quiet-period", "1", "--health-probe-interval", "1"])
+            .args(if extra.contains(&"--memory-limits") {
+                &[][..]
+            } else {
+                &["--memory-limits", "off"][..]
+            })
             .args(extra)
             .env("LD_LIBRARY_PATH", support::fake_nvml_dir())
             .env("GPUMEM_FAKE_NVML_PROFILE", profile)
@@ -447,4 +452,92 @@ async fn a_device_list_over_the_kubelet_limit_is_never_sent() {
         .await;
     assert_eq!(mem.len(), 131_072);
     assert!(node.kubelet.stream_errors(MEM).is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gpu_mem_containers_get_the_shim_and_their_own_accounting() {
+    let node = Node::new().await;
+    let state = node.dir.path().join("state");
+    let shim = node.dir.path().join("libgpumem_cuda.so");
+    std::fs::write(&shim, b"stand-in").unwrap();
+
+    // Enforcement without the shim installed: the agent refuses to start and says why.
+    let missing = node.dir.path().join("missing.so");
+    let agent = node.agent(
+        "t4x4",
+        &[
+            "--memory-limits",
+            "enforce",
+            "--shim-path",
+            missing.to_str().unwrap(),
+        ],
+    );
+    let deadline = Instant::now() + WAIT;
+    while !agent.log().contains("libgpumem_cuda.so not found") {
+        assert!(
+            Instant::now() < deadline,
+            "no error about the missing shim:\n{}",
+            agent.log()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    drop(agent);
+
+    let (state_arg, shim_arg) = (state.to_str().unwrap(), shim.to_str().unwrap());
+    let _agent = node.agent(
+        "t4x4",
+        &[
+            "--mem-unit-mib",
+            "1024",
+            "--memory-limits",
+            "enforce",
+            "--state-dir",
+            state_arg,
+            "--shim-path",
+            shim_arg,
+        ],
+    );
+    node.kubelet.wait_registered(MEM, WAIT).await;
+    let response = node.kubelet.allocate(MEM, &refs(&units(2, 4..7))).await.unwrap();
+    assert_eq!(response.envs["GPUMEM_LIMIT_MIB"], "3072");
+    assert_eq!(response.envs["GPUMEM_ACCOUNTING_DIR"], "/var/run/gpumem");
+    assert_eq!(response.envs["CUDA_DEVICE_ORDER"], "PCI_BUS_ID");
+    let mount = |path: &str| {
+        response
+            .mounts
+            .iter()
+            .find(|m| m.container_path == path)
+            .unwrap()
+            .clone()
+    };
+    assert_eq!(mount("/usr/local/gpumem/libgpumem_cuda.so").host_path, shim_arg);
+    let preload = mount("/etc/ld.so.preload");
+    assert!(preload.read_only);
+    assert_eq!(
+        std::fs::read_to_string(&preload.host_path).unwrap(),
+        "/usr/local/gpumem/libgpumem_cuda.so\n"
+    );
+    let accounting = mount("/var/run/gpumem");
+    assert!(!accounting.read_only);
+    let host_dir = PathBuf::from(&accounting.host_path);
+    assert!(host_dir.is_dir() && host_dir.starts_with(&state));
+
+    // The kubelet lists the container, then it ends: its accounting goes with it.
+    node.pods
+        .add_container("ns", "p", "c", MEM, &refs(&units(2, 4..7)));
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    assert!(host_dir.is_dir(), "kept while the container lives");
+    node.pods.remove_pod("ns", "p");
+    let deadline = Instant::now() + WAIT;
+    while host_dir.exists() {
+        assert!(
+            Instant::now() < deadline,
+            "accounting of a gone container was not removed"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // Whole GPUs get no shim.
+    let gpus = node.kubelet.devices(GPU);
+    let whole = node.kubelet.allocate(GPU, &[gpus[0].id.as_str()]).await.unwrap();
+    assert!(whole.mounts.is_empty() && !whole.envs.contains_key("GPUMEM_LIMIT_MIB"));
 }

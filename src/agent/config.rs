@@ -22,6 +22,17 @@ pub enum DeviceListStrategy {
     CdiAnnotations,
 }
 
+/// Whether gpu-mem containers get libgpumem_cuda.so to hold them to their limit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum MemoryLimits {
+    /// Mount the shim and its accounting into every gpu-mem container (the agent refuses to start
+    /// without the shim installed).
+    Enforce,
+    /// Hand out memory without enforcement: a pod can use more than it asked for.
+    Off,
+}
+
 /// XIDs caused by applications rather than the GPU (NVIDIA's k8s-device-plugin skips the same set):
 /// 13 graphics engine exception, 31 memory page fault, 43 channel stopped, 45 preemptive cleanup,
 /// 68 video processor exception, 109 context switch timeout.
@@ -44,6 +55,11 @@ pub struct Config {
     pub health_probe_interval: Duration,
     pub profile: Option<String>,
     pub nvml_lib: Option<PathBuf>,
+    pub memory_limits: MemoryLimits,
+    /// Host directory of the agent's own files (preload file, per-container accounting).
+    pub state_dir: PathBuf,
+    /// Host path of libgpumem_cuda.so.
+    pub shim_path: PathBuf,
 }
 
 impl Default for Config {
@@ -61,6 +77,9 @@ impl Default for Config {
             health_probe_interval: Duration::from_secs(5),
             profile: None,
             nvml_lib: None,
+            memory_limits: MemoryLimits::Enforce,
+            state_dir: "/var/lib/gpumem".into(),
+            shim_path: "/var/lib/gpumem/lib/libgpumem_cuda.so".into(),
         }
     }
 }
@@ -79,6 +98,9 @@ struct FileConfig {
     health: Option<HealthFile>,
     profile: Option<String>,
     nvml_lib: Option<PathBuf>,
+    memory_limits: Option<MemoryLimits>,
+    state_dir: Option<PathBuf>,
+    shim_path: Option<PathBuf>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -127,6 +149,15 @@ pub struct AgentArgs {
     /// Load NVML from this file instead of libnvidia-ml.so.1.
     #[arg(long, value_name = "PATH")]
     pub nvml_lib: Option<PathBuf>,
+    /// Hold gpu-mem containers to their limit with libgpumem_cuda.so [default: enforce].
+    #[arg(long, value_enum)]
+    pub memory_limits: Option<MemoryLimits>,
+    /// Host directory for the agent's files [default: /var/lib/gpumem].
+    #[arg(long, value_name = "DIR")]
+    pub state_dir: Option<PathBuf>,
+    /// Host path of libgpumem_cuda.so [default: /var/lib/gpumem/lib/libgpumem_cuda.so].
+    #[arg(long, value_name = "PATH")]
+    pub shim_path: Option<PathBuf>,
 }
 
 impl Config {
@@ -151,6 +182,9 @@ impl Config {
             &mut config.health_probe_interval,
             args.health_probe_interval.map(Duration::from_secs),
         );
+        set(&mut config.memory_limits, args.memory_limits);
+        set(&mut config.state_dir, args.state_dir.clone());
+        set(&mut config.shim_path, args.shim_path.clone());
         if args.profile.is_some() {
             config.profile = args.profile.clone();
         }
@@ -204,6 +238,9 @@ impl Config {
         if file.nvml_lib.is_some() {
             self.nvml_lib = file.nvml_lib;
         }
+        set(&mut self.memory_limits, file.memory_limits);
+        set(&mut self.state_dir, file.state_dir);
+        set(&mut self.shim_path, file.shim_path);
         Ok(())
     }
 

@@ -3,6 +3,7 @@
 //! handed out.
 
 pub mod config;
+pub mod enforcement;
 mod health;
 pub mod state;
 
@@ -18,7 +19,8 @@ use crate::plugin::podresources::PodResources;
 use crate::plugin::proto::KUBELET_MAX_RECV_BYTES;
 use crate::plugin::registration;
 use crate::plugin::server::{Plugin, ResourceKind};
-pub use config::{AgentArgs, Config};
+pub use config::{AgentArgs, Config, MemoryLimits};
+use enforcement::Enforcement;
 use state::{HealthPolicy, NodeState};
 
 /// Socket file names in the device-plugin directory.
@@ -77,6 +79,23 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         health::spawn(nvml, Arc::clone(&state), config.health_probe_interval)?;
     }
 
+    let enforcement = match config.memory_limits {
+        MemoryLimits::Enforce => {
+            let enforcement = Arc::new(Enforcement::prepare(&config.state_dir, &config.shim_path)?);
+            let every = config.pod_resources_poll;
+            tokio::spawn(forget_gone_containers(
+                Arc::clone(&enforcement),
+                Arc::clone(&state),
+                every,
+            ));
+            Some(enforcement)
+        }
+        MemoryLimits::Off => {
+            tracing::warn!("memory limits are OFF: gpu-mem pods can use more GPU memory than they asked for");
+            None
+        }
+    };
+
     let (shutdown_tx, shutdown_rx) = watch::channel(false);
     let mut plugins = JoinSet::new();
     let plugin = |kind| Plugin {
@@ -84,6 +103,7 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         state: Arc::clone(&state),
         refresher: pod_resources.clone(),
         strategy: config.device_list_strategy,
+        enforcement: enforcement.clone(),
     };
     plugins.spawn(registration::run(
         plugin(ResourceKind::Whole),
@@ -126,4 +146,21 @@ async fn serve(config: Config) -> anyhow::Result<()> {
     let _ = shutdown_tx.send(true);
     while plugins.join_next().await.is_some() {}
     outcome
+}
+
+/// Removes the accounting of containers the kubelet no longer lists, as often as it is asked.
+async fn forget_gone_containers(
+    enforcement: Arc<Enforcement>,
+    state: Arc<NodeState>,
+    every: std::time::Duration,
+) {
+    loop {
+        tokio::time::sleep(every).await;
+        let live = state
+            .live_mem_allocations()
+            .into_iter()
+            .map(|(gpu, unit)| Enforcement::allocation_name(gpu, &[unit]))
+            .collect();
+        enforcement.forget_all_but(&live);
+    }
 }

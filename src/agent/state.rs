@@ -74,6 +74,8 @@ impl Occupancy {
 struct Inner {
     health: Vec<Health>,
     listed: Vec<GpuAllocation>,
+    /// Each listed container's memory allocation: (GPU index, lowest unit).
+    listed_mem: BTreeSet<(u32, u64)>,
     pending: Vec<Pending>,
 }
 
@@ -124,6 +126,7 @@ impl NodeState {
         let inner = Inner {
             health: vec![Health::Healthy; n],
             listed: vec![GpuAllocation::default(); n],
+            listed_mem: BTreeSet::new(),
             pending: Vec::new(),
         };
         Self {
@@ -235,6 +238,20 @@ impl NodeState {
         usage
     }
 
+    /// Every live memory allocation, listed or ours and not yet listed: (GPU index, lowest unit).
+    pub fn live_mem_allocations(&self) -> BTreeSet<(u32, u64)> {
+        let inner = self.lock();
+        let mut live = inner.listed_mem.clone();
+        for p in &inner.pending {
+            if let PendingKind::Units(units) = &p.kind
+                && let Some(&lowest) = units.iter().min()
+            {
+                live.insert((self.inventory.gpus[p.gpu].index, lowest));
+            }
+        }
+        live
+    }
+
     /// Whether GPU `a` is healthy.
     pub fn is_healthy(&self, a: usize) -> bool {
         self.lock().health[a] == Health::Healthy
@@ -245,9 +262,16 @@ impl NodeState {
     /// Replaces the listed allocations with a PodResources `List` answer.
     pub fn apply_pod_resources(&self, list: &ListPodResourcesResponse) {
         let mut listed = vec![GpuAllocation::default(); self.inventory.gpus.len()];
+        let mut listed_mem = BTreeSet::new();
         for pod in &list.pod_resources {
             let owner = format!("{}/{}", pod.namespace, pod.name);
             for device in pod.containers.iter().flat_map(|c| &c.devices) {
+                if device.resource_name == self.mem_resource {
+                    let units = device.device_ids.iter().filter_map(|id| parse_unit_id(id));
+                    if let Some(lowest) = units.min_by_key(|&(_, n)| n) {
+                        listed_mem.insert(lowest);
+                    }
+                }
                 for id in &device.device_ids {
                     if device.resource_name == self.gpu_resource {
                         match self.by_uuid.get(id) {
@@ -282,6 +306,7 @@ impl NodeState {
         });
         let before = Self::exclusion(&inner);
         inner.listed = listed;
+        inner.listed_mem = listed_mem;
         let after = Self::exclusion(&inner);
         drop(inner);
         if before != after {
@@ -534,8 +559,8 @@ impl NodeState {
     }
 
     /// Allocate memory units: all on one GPU, known, healthy, and that GPU not allocated whole.
-    /// Returns the GPU and the number of units.
-    pub fn allocate_mem(&self, ids: &[String]) -> Result<(usize, u64), RequestError> {
+    /// Returns the GPU and the unit numbers.
+    pub fn allocate_mem(&self, ids: &[String]) -> Result<(usize, Vec<u64>), RequestError> {
         let mut gpu: Option<usize> = None;
         let mut units = Vec::with_capacity(ids.len());
         for id in ids {
@@ -569,17 +594,16 @@ impl NodeState {
                 self.inventory.gpus[a].index
             )));
         }
-        let count = units.len() as u64;
         inner.pending.push(Pending {
             gpu: a,
-            kind: PendingKind::Units(units),
+            kind: PendingKind::Units(units.clone()),
             at: Instant::now(),
         });
         drop(inner);
         if !occ.shared() {
             self.bump();
         }
-        Ok((a, count))
+        Ok((a, units))
     }
 
     /// Position in the inventory of the GPU with NVML index `index`.
@@ -723,7 +747,7 @@ mod tests {
         let s = state("t4x4", 1024);
         let uuid = |a: usize| s.inventory.gpus[a].uuid.clone();
         // Memory on GPU 0: its whole device turns unhealthy at once, before the kubelet lists it.
-        assert_eq!(s.allocate_mem(&ids(0, 0..3)).unwrap(), (0, 3));
+        assert_eq!(s.allocate_mem(&ids(0, 0..3)).unwrap(), (0, vec![0, 1, 2]));
         assert!(!healthy(&s.gpu_devices()).contains(&uuid(0).as_str()));
         let err = s.allocate_whole(&[uuid(0)]).unwrap_err().to_string();
         assert!(err.contains("is shared"), "{err}");
@@ -776,6 +800,7 @@ mod tests {
 
         // Our own allocation stays until the kubelet lists it, then the listed picture takes over.
         s.allocate_mem(&ids(0, 0..2)).unwrap();
+        assert_eq!(s.live_mem_allocations(), BTreeSet::from([(0, 0)]));
         s.apply_pod_resources(&ListPodResourcesResponse {
             pod_resources: vec![],
         });

@@ -19,6 +19,7 @@ use super::proto::v1beta1::{
     PreferredAllocationResponse,
 };
 use crate::agent::config::DeviceListStrategy;
+use crate::agent::enforcement::Enforcement;
 use crate::agent::state::{NodeState, RequestError};
 
 /// Which of the two resources a plugin instance serves.
@@ -42,6 +43,8 @@ pub struct Plugin {
     pub state: Arc<NodeState>,
     pub refresher: Arc<dyn Refresh>,
     pub strategy: DeviceListStrategy,
+    /// Present when gpu-mem containers get libgpumem_cuda.so.
+    pub enforcement: Option<Arc<Enforcement>>,
 }
 
 /// Environment variable telling the container runtime (and CUDA) which GPUs the container sees.
@@ -107,10 +110,18 @@ impl Plugin {
             ResourceKind::Memory => {
                 let (gpu, units) = self.state.allocate_mem(ids)?;
                 let uuid = self.state.inventory.gpus[gpu].uuid.clone();
-                let limit_mib = units * self.state.unit_mib;
-                tracing::info!(resource = self.resource(), gpu = %uuid, limit_mib, "allocated GPU memory");
+                let limit_mib = units.len() as u64 * self.state.unit_mib;
                 self.expose(&mut response, std::slice::from_ref(&uuid));
                 response.envs.insert(LIMIT_ENV.into(), limit_mib.to_string());
+                if let Some(enforcement) = &self.enforcement {
+                    let name = Enforcement::allocation_name(self.state.inventory.gpus[gpu].index, &units);
+                    let (mounts, envs) = enforcement.container(&name).map_err(|e| {
+                        RequestError::Unavailable(format!("cannot set up the memory limit: {e:#}"))
+                    })?;
+                    response.mounts.extend(mounts);
+                    response.envs.extend(envs);
+                }
+                tracing::info!(resource = self.resource(), gpu = %uuid, limit_mib, "allocated GPU memory");
             }
         }
         Ok(response)

@@ -1,0 +1,159 @@
+//! Hard memory limits: what Allocate hands a gpu-mem container so that `libgpumem_cuda.so`
+//! enforces its limit inside every process (contract in docs/enforcement.md).
+//!
+//! On the host, under the agent's state directory:
+//! - `ld.so.preload`: one line naming the shim's path inside the container, mounted read-only at
+//!   `/etc/ld.so.preload`;
+//! - `containers/<allocation>/`: one accounting directory per allocation, mounted read-write at
+//!   `/var/run/gpumem`. An allocation is named by its GPU and first memory unit (`g<index>-u<n>`):
+//!   the kubelet never hands one unit to two live containers, so the name is unique while the
+//!   container lives, and the same name in PodResources tells the agent when it is gone.
+
+use std::collections::{BTreeSet, HashMap};
+use std::path::{Path, PathBuf};
+
+use anyhow::Context as _;
+
+use crate::plugin::proto::v1beta1::Mount;
+
+/// Where the shim appears inside containers.
+pub const SHIM_CONTAINER_PATH: &str = "/usr/local/gpumem/libgpumem_cuda.so";
+/// Where the per-container accounting directory appears inside containers.
+pub const ACCOUNTING_CONTAINER_DIR: &str = "/var/run/gpumem";
+/// Environment variables the shim reads.
+pub const ACCOUNTING_ENV: &str = "GPUMEM_ACCOUNTING_DIR";
+pub const DEVICE_ORDER_ENV: &str = "CUDA_DEVICE_ORDER";
+
+#[derive(Debug)]
+pub struct Enforcement {
+    shim: PathBuf,
+    preload: PathBuf,
+    containers: PathBuf,
+}
+
+impl Enforcement {
+    /// Checks the shim is installed and lays out the state directory.
+    pub fn prepare(state_dir: &Path, shim: &Path) -> anyhow::Result<Self> {
+        anyhow::ensure!(
+            shim.is_file(),
+            "libgpumem_cuda.so not found at {}: install it there (the DaemonSet's init container does), \
+             point --shim-path at it, or run with --memory-limits off (pods could then use more GPU \
+             memory than they asked for)",
+            shim.display()
+        );
+        let containers = state_dir.join("containers");
+        std::fs::create_dir_all(&containers).with_context(|| format!("creating {}", containers.display()))?;
+        let preload = state_dir.join("ld.so.preload");
+        let temp = state_dir.join(".ld.so.preload.tmp");
+        std::fs::write(&temp, format!("{SHIM_CONTAINER_PATH}\n"))
+            .and_then(|()| std::fs::rename(&temp, &preload))
+            .with_context(|| format!("writing {}", preload.display()))?;
+        Ok(Self {
+            shim: shim.to_path_buf(),
+            preload,
+            containers,
+        })
+    }
+
+    /// The name of the allocation holding these units of GPU `gpu_index`.
+    pub fn allocation_name(gpu_index: u32, units: &[u64]) -> String {
+        format!("g{gpu_index}-u{}", units.iter().min().copied().unwrap_or(0))
+    }
+
+    /// Mounts and environment for a new container's allocation; starts its accounting afresh.
+    pub fn container(&self, allocation: &str) -> anyhow::Result<(Vec<Mount>, HashMap<String, String>)> {
+        let dir = self.containers.join(allocation);
+        // A directory of this name belonged to an earlier container that held the same units.
+        if dir.exists() {
+            std::fs::remove_dir_all(&dir).with_context(|| format!("clearing {}", dir.display()))?;
+        }
+        std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+        let mount = |host: &Path, container: &str, read_only| Mount {
+            container_path: container.into(),
+            host_path: host.display().to_string(),
+            read_only,
+        };
+        let mounts = vec![
+            mount(&self.shim, SHIM_CONTAINER_PATH, true),
+            mount(&self.preload, "/etc/ld.so.preload", true),
+            mount(&dir, ACCOUNTING_CONTAINER_DIR, false),
+        ];
+        let envs = HashMap::from([
+            (ACCOUNTING_ENV.to_string(), ACCOUNTING_CONTAINER_DIR.to_string()),
+            (DEVICE_ORDER_ENV.to_string(), "PCI_BUS_ID".to_string()),
+        ]);
+        Ok((mounts, envs))
+    }
+
+    /// Removes the accounting directories of allocations that are no longer live.
+    pub fn forget_all_but(&self, live: &BTreeSet<String>) {
+        let Ok(entries) = std::fs::read_dir(&self.containers) else {
+            return;
+        };
+        for entry in entries.flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if !live.contains(&name) {
+                match std::fs::remove_dir_all(entry.path()) {
+                    Ok(()) => tracing::debug!(allocation = %name, "container gone: accounting removed"),
+                    Err(err) => tracing::warn!(allocation = %name, error = %err, "cannot remove accounting"),
+                }
+            }
+        }
+    }
+
+    /// What each live container's processes use, per allocation, as the shim counted it.
+    pub fn usage(&self) -> Vec<(String, gpumem_accounting::Usage)> {
+        let Ok(entries) = std::fs::read_dir(&self.containers) else {
+            return Vec::new();
+        };
+        entries
+            .flatten()
+            .filter_map(|entry| {
+                let usage = gpumem_accounting::read_usage(&entry.path()).ok().flatten()?;
+                Some((entry.file_name().to_string_lossy().into_owned(), usage))
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_missing_shim_is_a_clear_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let err = Enforcement::prepare(dir.path(), &dir.path().join("nope.so"))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("--memory-limits off"), "{err}");
+    }
+
+    #[test]
+    fn containers_get_fresh_accounting_and_gone_ones_are_removed() {
+        let dir = tempfile::tempdir().unwrap();
+        let shim = dir.path().join("libgpumem_cuda.so");
+        std::fs::write(&shim, b"").unwrap();
+        let enforcement = Enforcement::prepare(&dir.path().join("state"), &shim).unwrap();
+        let preload = std::fs::read_to_string(dir.path().join("state/ld.so.preload")).unwrap();
+        assert_eq!(preload, format!("{SHIM_CONTAINER_PATH}\n"));
+
+        let name = Enforcement::allocation_name(2, &[7, 5, 9]);
+        assert_eq!(name, "g2-u5");
+        let (mounts, envs) = enforcement.container(&name).unwrap();
+        assert_eq!(mounts.len(), 3);
+        assert!(mounts[0].read_only && mounts[1].read_only && !mounts[2].read_only);
+        assert_eq!(mounts[1].container_path, "/etc/ld.so.preload");
+        let host = PathBuf::from(&mounts[2].host_path);
+        assert!(host.is_dir());
+        assert_eq!(envs[ACCOUNTING_ENV], ACCOUNTING_CONTAINER_DIR);
+        std::fs::write(host.join("leftover"), b"x").unwrap();
+        enforcement.container(&name).unwrap();
+        assert!(!host.join("leftover").exists(), "a reused name starts afresh");
+
+        enforcement.container("g0-u0").unwrap();
+        enforcement.forget_all_but(&BTreeSet::from(["g0-u0".to_string()]));
+        assert!(!host.exists());
+        assert!(dir.path().join("state/containers/g0-u0").is_dir());
+    }
+}
