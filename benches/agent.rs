@@ -43,7 +43,7 @@ fn bench(c: &mut Criterion) {
             b.iter_batched(
                 || node(unit),
                 |state| {
-                    let ids = state.prefer_mem(&available, &[], size).expect("fits");
+                    let ids = state.prefer_mem(&available, &[], size, None).expect("fits");
                     state.allocate_mem(&ids).expect("allocates")
                 },
                 BatchSize::SmallInput,

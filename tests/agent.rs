@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 use gpumem::plugin::proto::v1beta1::Device;
 use support::InjectFile;
+use support::apiserver::{FakeApiServer, metadata_maps, pod_with_choice};
 use support::kubelet::{FakeKubelet, FakePodResources};
 
 const GPU: &str = "nvidia.com/gpu";
@@ -22,7 +23,7 @@ struct Agent {
 }
 
 impl Agent {
-    fn start(dir: &Path, profile: &str, inject: &Path, extra: &[&str]) -> Agent {
+    fn start(dir: &Path, profile: &str, inject: &Path, extra: &[&str], kubeconfig: Option<&Path>) -> Agent {
         let stderr = dir.join(format!("agent-{}.log", std::process::id()));
         let log = std::fs::File::options()
             .create(true)
@@ -46,6 +47,8 @@ impl Agent {
             .env("GPUMEM_FAKE_NVML_PROFILE", profile)
             .env("GPUMEM_FAKE_NVML_INJECT", inject)
             .env("RUST_LOG", "info")
+            .env_remove("NODE_NAME")
+            .envs(kubeconfig.map(|k| ("KUBECONFIG", k)))
             .stdout(Stdio::null())
             .stderr(log)
             .spawn()
@@ -106,7 +109,20 @@ impl Node {
     }
 
     fn agent(&self, profile: &str, extra: &[&str]) -> Agent {
-        Agent::start(self.dir.path(), profile, self.inject.path(), extra)
+        Agent::start(self.dir.path(), profile, self.inject.path(), extra, None)
+    }
+
+    /// An agent for Node `node-a` that talks to `api`.
+    fn agent_with_api(&self, profile: &str, api: &FakeApiServer, extra: &[&str]) -> Agent {
+        let mut args = vec!["--node-name", "node-a"];
+        args.extend_from_slice(extra);
+        Agent::start(
+            self.dir.path(),
+            profile,
+            self.inject.path(),
+            &args,
+            Some(api.kubeconfig()),
+        )
     }
 }
 
@@ -540,4 +556,99 @@ async fn gpu_mem_containers_get_the_shim_and_their_own_accounting() {
     let gpus = node.kubelet.devices(GPU);
     let whole = node.kubelet.allocate(GPU, &[gpus[0].id.as_str()]).await.unwrap();
     assert!(whole.mounts.is_empty() && !whole.envs.contains_key("GPUMEM_LIMIT_MIB"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_node_shows_its_gpus_and_their_use_through_outages() {
+    let node = Node::new().await;
+    let api = FakeApiServer::start(node.dir.path()).await;
+    let _agent = node.agent_with_api("t4x4", &api, &["--mem-unit-mib", "1024"]);
+    node.kubelet.wait_registered(MEM, WAIT).await;
+
+    let first = api
+        .wait_for("the first apply of node-a", WAIT, |api| {
+            api.node_applies("node-a").first().cloned()
+        })
+        .await;
+    assert!(
+        first.query.contains("fieldManager=gpumem-agent") && first.query.contains("force=true"),
+        "{}",
+        first.query
+    );
+    assert_eq!(first.content_type, "application/apply-patch+yaml");
+    let (labels, annotations) = metadata_maps(&first);
+    assert_eq!(labels["nvidia.com/gpu.product"], "Tesla-T4");
+    assert_eq!(labels["nvidia.com/gpu.count"], "4");
+    assert_eq!(labels["gpumem.io/mem-unit-mib"], "1024");
+    assert_eq!(labels["gpumem.io/nvlink"], "none");
+    let topology = gpumem::node::TopologyAnnotation::parse(&annotations["gpumem.io/gpu-topology"]).unwrap();
+    assert_eq!(topology.gpus.len(), 4);
+    assert_eq!(topology.gpus[3].numa_node, Some(1));
+
+    // The API server goes away; a pod gets memory; the Node catches up once it is back.
+    api.fail_next_writes(3);
+    node.kubelet.allocate(MEM, &refs(&units(1, 0..3))).await.unwrap();
+    let shown = api
+        .wait_for("usage of GPU 1 on the Node", WAIT, |api| {
+            let last = api.node_applies("node-a").pop()?;
+            let (_, annotations) = metadata_maps(&last);
+            let usage = gpumem::node::UsageAnnotation::parse(annotations.get("gpumem.io/gpu-usage")?).ok()?;
+            (usage.gpus[1].allocated_mib == 3072).then_some(usage)
+        })
+        .await;
+    assert_eq!(shown.gpus[1].mode, gpumem::node::GpuMode::Shared);
+    assert!(api.failures_left() < 3, "writes were refused during the outage, and the Node caught up after it");
+    // Only its own Node, only labels and annotations.
+    for applied in api.node_applies("node-a") {
+        let metadata = applied.body["metadata"].as_object().unwrap();
+        assert!(
+            metadata
+                .keys()
+                .all(|k| ["name", "labels", "annotations"].contains(&k.as_str()))
+        );
+        assert!(applied.body.get("spec").is_none() && applied.body.get("status").is_none());
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_scorers_gpu_choice_is_honoured_while_it_fits() {
+    let node = Node::new().await;
+    let api = FakeApiServer::start(node.dir.path()).await;
+    let _agent = node.agent_with_api("t4x4", &api, &["--mem-unit-mib", "1024"]);
+    node.kubelet.wait_registered(MEM, WAIT).await;
+    let gpus = node.kubelet.wait_devices(GPU, WAIT, |d| d.len() == 4).await;
+    api.set_pods(vec![
+        pod_with_choice("later", "node-a", MEM, 3, &gpus[2].id, "2026-11-29T10:00:05Z"),
+        pod_with_choice("first", "node-a", MEM, 3, &gpus[3].id, "2026-11-29T10:00:00Z"),
+        pod_with_choice("elsewhere", "node-b", MEM, 3, &gpus[1].id, "2026-11-29T09:00:00Z"),
+    ]);
+    let all: Vec<String> = (0..4).flat_map(|g| units(g, 0..15)).collect();
+    let chosen = node.kubelet.preferred(MEM, &refs(&all), &[], 3).await.unwrap();
+    assert_eq!(chosen, units(3, 0..3), "the oldest choice on this node");
+    // Another size: no choice applies, best fit decides (all equal: GPU 0).
+    let chosen = node.kubelet.preferred(MEM, &refs(&all), &[], 4).await.unwrap();
+    assert_eq!(chosen, units(0, 0..4));
+    // The chosen GPU no longer has room in the offer: best fit instead.
+    let offer: Vec<String> = units(0, 0..15).into_iter().chain(units(3, 0..2)).collect();
+    let chosen = node.kubelet.preferred(MEM, &refs(&offer), &[], 3).await.unwrap();
+    assert_eq!(chosen, units(0, 0..3));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_unit_too_small_for_the_kubelet_is_reported_on_the_node() {
+    let node = Node::new().await;
+    let api = FakeApiServer::start(node.dir.path()).await;
+    let _agent = node.agent_with_api("dgx-a100", &api, &[]);
+    let event = api
+        .wait_for("a GpuMemUnitTooSmall event", WAIT, |api| {
+            api.events()
+                .into_iter()
+                .find(|e| e["reason"] == "GpuMemUnitTooSmall")
+        })
+        .await;
+    assert_eq!(event["type"], "Warning");
+    assert_eq!(event["regarding"]["kind"], "Node");
+    assert_eq!(event["regarding"]["name"], "node-a");
+    let note = event["note"].as_str().unwrap();
+    assert!(note.contains("--mem-unit-mib 5"), "{note}");
 }

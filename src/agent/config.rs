@@ -56,6 +56,8 @@ pub struct Config {
     pub profile: Option<String>,
     pub nvml_lib: Option<PathBuf>,
     pub memory_limits: MemoryLimits,
+    /// This node's name: with it the agent publishes labels and annotations on its Node.
+    pub node_name: Option<String>,
     /// Host directory of the agent's own files (preload file, per-container accounting).
     pub state_dir: PathBuf,
     /// Host path of libgpumem_cuda.so.
@@ -78,6 +80,7 @@ impl Default for Config {
             profile: None,
             nvml_lib: None,
             memory_limits: MemoryLimits::Enforce,
+            node_name: None,
             state_dir: "/var/lib/gpumem".into(),
             shim_path: "/var/lib/gpumem/lib/libgpumem_cuda.so".into(),
         }
@@ -149,6 +152,10 @@ pub struct AgentArgs {
     /// Load NVML from this file instead of libnvidia-ml.so.1.
     #[arg(long, value_name = "PATH")]
     pub nvml_lib: Option<PathBuf>,
+    /// This node's name (the DaemonSet passes it from the downward API). Without it the agent does not
+    /// talk to the API server: no labels, annotations or events on the Node.
+    #[arg(long, env = "NODE_NAME", value_name = "NAME")]
+    pub node_name: Option<String>,
     /// Hold gpu-mem containers to their limit with libgpumem_cuda.so [default: enforce].
     #[arg(long, value_enum)]
     pub memory_limits: Option<MemoryLimits>,
@@ -183,6 +190,9 @@ impl Config {
             args.health_probe_interval.map(Duration::from_secs),
         );
         set(&mut config.memory_limits, args.memory_limits);
+        if args.node_name.is_some() {
+            config.node_name = args.node_name.clone();
+        }
         set(&mut config.state_dir, args.state_dir.clone());
         set(&mut config.shim_path, args.shim_path.clone());
         if args.profile.is_some() {

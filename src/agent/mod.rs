@@ -2,6 +2,7 @@
 //! in one process, sharing one picture of the node: discovery, health, and what the kubelet has
 //! handed out.
 
+pub mod cluster;
 pub mod config;
 pub mod enforcement;
 mod health;
@@ -19,6 +20,7 @@ use crate::plugin::podresources::PodResources;
 use crate::plugin::proto::KUBELET_MAX_RECV_BYTES;
 use crate::plugin::registration;
 use crate::plugin::server::{Plugin, ResourceKind};
+use cluster::Cluster;
 pub use config::{AgentArgs, Config, MemoryLimits};
 use enforcement::Enforcement;
 use state::{HealthPolicy, NodeState};
@@ -96,6 +98,24 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         }
     };
 
+    let cluster = match &config.node_name {
+        Some(node) => match Cluster::connect(node.clone()).await {
+            Ok(cluster) => {
+                let cluster = Arc::new(cluster);
+                tokio::spawn(Arc::clone(&cluster).publish(Arc::clone(&state)));
+                Some(cluster)
+            }
+            Err(err) => {
+                tracing::warn!(error = %err, "no API server: not publishing the Node's GPU picture");
+                None
+            }
+        },
+        None => {
+            tracing::info!("no --node-name (NODE_NAME): not publishing the Node's GPU picture");
+            None
+        }
+    };
+
     let (shutdown_tx, shutdown_rx) = watch::channel(false);
     let mut plugins = JoinSet::new();
     let plugin = |kind| Plugin {
@@ -104,6 +124,7 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         refresher: pod_resources.clone(),
         strategy: config.device_list_strategy,
         enforcement: enforcement.clone(),
+        cluster: cluster.clone(),
     };
     plugins.spawn(registration::run(
         plugin(ResourceKind::Whole),
@@ -124,6 +145,14 @@ async fn serve(config: Config) -> anyhow::Result<()> {
             limit = KUBELET_MAX_RECV_BYTES,
             "the device list at this unit exceeds the kubelet's message limit, so this resource is NOT advertised; {fits}"
         );
+        if let Some(cluster) = &cluster {
+            let note = format!(
+                "{} is not advertised: at memUnitMiB {} one device list is {mem_bytes} bytes, over the \
+                 kubelet's {KUBELET_MAX_RECV_BYTES}-byte limit; {fits}",
+                config.mem_resource, config.mem_unit_mib
+            );
+            cluster.warn("GpuMemUnitTooSmall", note).await;
+        }
     } else {
         plugins.spawn(registration::run(
             plugin(ResourceKind::Memory),

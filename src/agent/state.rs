@@ -97,7 +97,10 @@ pub struct NodeState {
     /// GPU position by NVML index (indices are small).
     position_of_index: Vec<Option<usize>>,
     inner: Mutex<Inner>,
+    /// Bumped when a device list may have changed.
     version: watch::Sender<u64>,
+    /// Bumped when anything the Node's annotations show may have changed.
+    usage_version: watch::Sender<u64>,
 }
 
 impl NodeState {
@@ -140,6 +143,7 @@ impl NodeState {
             position_of_index,
             inner: Mutex::new(inner),
             version: watch::channel(0).0,
+            usage_version: watch::channel(0).0,
         }
     }
 
@@ -151,6 +155,24 @@ impl NodeState {
 
     fn bump(&self) {
         self.version.send_modify(|v| *v += 1);
+        self.bump_usage();
+    }
+
+    fn bump_usage(&self) {
+        self.usage_version.send_modify(|v| *v += 1);
+    }
+
+    /// Follows changes of health and usage (what the Node's annotations show).
+    pub fn subscribe_usage(&self) -> watch::Receiver<u64> {
+        self.usage_version.subscribe()
+    }
+
+    /// Whether the kubelet lists memory units held by pod `owner` (`namespace/name`).
+    pub fn holds_memory(&self, owner: &str) -> bool {
+        self.lock()
+            .listed
+            .iter()
+            .any(|a| a.units.values().any(|o| o == owner))
     }
 
     /// Follows changes of the device lists.
@@ -305,12 +327,15 @@ impl NodeState {
             !seen && now.duration_since(p.at) < PENDING_TTL
         });
         let before = Self::exclusion(&inner);
+        let usage_changed = inner.listed != listed;
         inner.listed = listed;
         inner.listed_mem = listed_mem;
         let after = Self::exclusion(&inner);
         drop(inner);
         if before != after {
             self.bump();
+        } else if usage_changed {
+            self.bump_usage();
         }
     }
 
@@ -418,6 +443,7 @@ impl NodeState {
         available: &[String],
         must: &[String],
         size: usize,
+        preferred: Option<&str>,
     ) -> Result<Vec<String>, RequestError> {
         let n = self.inventory.gpus.len();
         let mut must_gpu = None;
@@ -443,6 +469,15 @@ impl NodeState {
             )
         };
         let eligible = |a: &usize| healthy[*a] && !occ[*a].whole && must_gpu.is_none_or(|g| g == *a);
+
+        // The scorer's choice (by UUID), when it still fits.
+        if let Some(gpu) = preferred
+            .and_then(|uuid| self.by_uuid.get(uuid).copied())
+            .filter(eligible)
+            && let Some(ids) = self.offered_units(available, must, gpu, size)?
+        {
+            return Ok(ids);
+        }
 
         let booked: Vec<FreeMemory> = (0..n)
             .filter(eligible)
@@ -600,7 +635,9 @@ impl NodeState {
             at: Instant::now(),
         });
         drop(inner);
-        if !occ.shared() {
+        if occ.shared() {
+            self.bump_usage();
+        } else {
             self.bump();
         }
         Ok((a, units))
@@ -713,20 +750,31 @@ mod tests {
         let mut available = ids(0, 0..15);
         available.extend(ids(1, 10..15));
         available.extend(ids(2, 0..15));
-        let chosen = s.prefer_mem(&available, &[], 4).unwrap();
+        let chosen = s.prefer_mem(&available, &[], 4, None).unwrap();
         assert_eq!(chosen, ids(1, 10..14));
         // The kubelet holding back units the books think free: the offer decides.
         let offer: Vec<String> = ids(0, 0..3).into_iter().chain(ids(2, 0..6)).collect();
-        assert_eq!(s.prefer_mem(&offer, &[], 4).unwrap(), ids(2, 0..4));
+        assert_eq!(s.prefer_mem(&offer, &[], 4, None).unwrap(), ids(2, 0..4));
+        // The scorer's choice wins while it fits, and is ignored when it does not.
+        let gpu2 = s.inventory.gpus[2].uuid.clone();
+        assert_eq!(
+            s.prefer_mem(&available, &[], 4, Some(&gpu2)).unwrap(),
+            ids(2, 0..4)
+        );
+        let gpu1 = s.inventory.gpus[1].uuid.clone();
+        assert_eq!(
+            s.prefer_mem(&available, &[], 6, Some(&gpu1)).unwrap(),
+            ids(0, 0..6)
+        );
         // Must-include units pin the GPU.
         assert_eq!(
-            s.prefer_mem(&available, &ids(2, 5..6), 2).unwrap(),
+            s.prefer_mem(&available, &ids(2, 5..6), 2, None).unwrap(),
             vec!["2-5".to_string(), "2-0".to_string()]
         );
 
         // 4 GiB free on two GPUs never serves 5 GiB.
         let halves: Vec<String> = ids(0, 11..15).into_iter().chain(ids(3, 11..15)).collect();
-        let err = s.prefer_mem(&halves, &[], 5).unwrap_err().to_string();
+        let err = s.prefer_mem(&halves, &[], 5, None).unwrap_err().to_string();
         assert!(err.contains("no single GPU has 5120 MiB free"), "{err}");
         assert!(err.contains("largest free block is 4096 MiB"), "{err}");
 

@@ -18,6 +18,7 @@ use super::proto::v1beta1::{
     PreStartContainerRequest, PreStartContainerResponse, PreferredAllocationRequest,
     PreferredAllocationResponse,
 };
+use crate::agent::cluster::Cluster;
 use crate::agent::config::DeviceListStrategy;
 use crate::agent::enforcement::Enforcement;
 use crate::agent::state::{NodeState, RequestError};
@@ -45,6 +46,8 @@ pub struct Plugin {
     pub strategy: DeviceListStrategy,
     /// Present when gpu-mem containers get libgpumem_cuda.so.
     pub enforcement: Option<Arc<Enforcement>>,
+    /// Present when the agent talks to the API server (to honour the scorer's GPU choice).
+    pub cluster: Option<Arc<Cluster>>,
 }
 
 /// Environment variable telling the container runtime (and CUDA) which GPUs the container sees.
@@ -204,8 +207,17 @@ impl DevicePlugin for Plugin {
                         .prefer_whole(&req.available_device_i_ds, &req.must_include_device_i_ds, size)
                 }
                 ResourceKind::Memory => {
+                    let scorer_choice = match &self.cluster {
+                        Some(cluster) => {
+                            cluster
+                                .assigned_gpu(&self.state.mem_resource, size as u64, &self.state)
+                                .await
+                        }
+                        None => None,
+                    };
+                    let (available, must) = (&req.available_device_i_ds, &req.must_include_device_i_ds);
                     self.state
-                        .prefer_mem(&req.available_device_i_ds, &req.must_include_device_i_ds, size)
+                        .prefer_mem(available, must, size, scorer_choice.as_deref())
                 }
             }
             .map_err(status)?;

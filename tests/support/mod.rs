@@ -230,4 +230,5 @@ impl InjectFile {
             .unwrap_or_else(|e| panic!("cannot rename {} to {}: {e}", temp.display(), self.path.display()));
     }
 }
+pub mod apiserver;
 pub mod kubelet;

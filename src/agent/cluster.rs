@@ -1,0 +1,179 @@
+//! The agent and the API server: it publishes its Node's GPU picture (labels and annotations, by
+//! server-side apply with its own field manager, only on its own Node), reads the GPU the scorer chose
+//! for pods bound here, and reports problems as events on its Node. Nothing here is needed to hand
+//! out devices: when the API server is away, the agent keeps serving and catches up later.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::{Node, ObjectReference, Pod};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use kube::api::{ListParams, Patch, PatchParams};
+use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use kube::{Api, Client};
+
+use super::state::NodeState;
+use crate::node::{self, ASSIGNED_AT_ANNOTATION, ASSIGNED_GPUS_ANNOTATION, TopologyAnnotation};
+
+/// The field manager of everything the agent writes: it owns these labels and annotations, and
+/// nothing else on the Node.
+pub const FIELD_MANAGER: &str = "gpumem-agent";
+/// At most one write per this interval, so a burst of pod changes becomes one update.
+const MIN_INTERVAL: Duration = Duration::from_millis(500);
+/// Written again after this long even without a change (someone may have edited it by hand).
+const RESYNC: Duration = Duration::from_secs(300);
+const MAX_BACKOFF: Duration = Duration::from_secs(30);
+/// An API call made while a pod is being admitted may take this long.
+const LOOKUP_TIMEOUT: Duration = Duration::from_secs(1);
+
+pub struct Cluster {
+    client: Client,
+    node: String,
+    recorder: Recorder,
+}
+
+impl Cluster {
+    /// A client from the in-cluster service account or KUBECONFIG.
+    pub async fn connect(node: String) -> anyhow::Result<Self> {
+        let client = Client::try_default().await?;
+        let reporter = Reporter {
+            controller: FIELD_MANAGER.into(),
+            instance: Some(node.clone()),
+        };
+        let recorder = Recorder::new(client.clone(), reporter);
+        Ok(Self {
+            client,
+            node,
+            recorder,
+        })
+    }
+
+    fn node_ref(&self) -> ObjectReference {
+        ObjectReference {
+            api_version: Some("v1".into()),
+            kind: Some("Node".into()),
+            name: Some(self.node.clone()),
+            // Events about Nodes are conventionally recorded with the node name as UID.
+            uid: Some(self.node.clone()),
+            ..Default::default()
+        }
+    }
+
+    /// A warning on the Node (`kubectl describe node` shows it).
+    pub async fn warn(&self, reason: &str, note: String) {
+        let event = Event {
+            type_: EventType::Warning,
+            reason: reason.into(),
+            note: Some(note),
+            action: "Advertise".into(),
+            secondary: None,
+        };
+        if let Err(err) = self.recorder.publish(&event, &self.node_ref()).await {
+            tracing::warn!(error = %err, reason, "cannot record an event on the Node");
+        }
+    }
+
+    async fn apply(
+        &self,
+        labels: &BTreeMap<String, String>,
+        annotations: &BTreeMap<String, String>,
+    ) -> kube::Result<()> {
+        let patch = serde_json::json!({
+            "apiVersion": "v1",
+            "kind": "Node",
+            "metadata": { "name": self.node, "labels": labels, "annotations": annotations },
+        });
+        Api::<Node>::all(self.client.clone())
+            .patch(
+                &self.node,
+                &PatchParams::apply(FIELD_MANAGER).force(),
+                &Patch::Apply(&patch),
+            )
+            .await
+            .map(drop)
+    }
+
+    /// Keeps the Node's labels and annotations equal to the agent's picture, until the process ends.
+    pub async fn publish(self: Arc<Self>, state: Arc<NodeState>) {
+        let labels = node::labels(&state.inventory, state.unit_mib);
+        let mut changes = state.subscribe_usage();
+        let mut written: Option<BTreeMap<String, String>> = None;
+        let mut backoff = Duration::from_secs(1);
+        loop {
+            changes.mark_unchanged();
+            let topology = TopologyAnnotation::new(&state.inventory, state.unit_mib, |a| state.is_healthy(a));
+            let annotations = node::annotations(&topology, &state.usage());
+            if written.as_ref() != Some(&annotations) {
+                match self.apply(&labels, &annotations).await {
+                    Ok(()) => {
+                        tracing::debug!(node = %self.node, "published GPU labels and annotations");
+                        written = Some(annotations);
+                        backoff = Duration::from_secs(1);
+                    }
+                    Err(err) => {
+                        tracing::warn!(node = %self.node, error = %err, retry_in = ?backoff, "cannot update the Node");
+                        tokio::time::sleep(backoff).await;
+                        backoff = (backoff * 2).min(MAX_BACKOFF);
+                        continue;
+                    }
+                }
+            }
+            tokio::time::sleep(MIN_INTERVAL).await;
+            if tokio::time::timeout(RESYNC, changes.changed()).await.is_err() {
+                written = None;
+            }
+        }
+    }
+
+    /// The GPU the scorer chose for a pod on this node that asks for `units` of memory in one
+    /// container and has none allocated yet (oldest choice first).
+    pub async fn assigned_gpu(&self, resource: &str, units: u64, state: &NodeState) -> Option<String> {
+        let pods: Api<Pod> = Api::all(self.client.clone());
+        let params = ListParams::default().fields(&format!("spec.nodeName={}", self.node));
+        let list = match tokio::time::timeout(LOOKUP_TIMEOUT, pods.list(&params)).await {
+            Ok(Ok(list)) => list,
+            Ok(Err(err)) => {
+                tracing::debug!(error = %err, "cannot list this node's pods; choosing the GPU locally");
+                return None;
+            }
+            Err(_) => return None,
+        };
+        let mut candidates: Vec<(String, String)> = list
+            .items
+            .iter()
+            .filter_map(|pod| {
+                let meta = &pod.metadata;
+                let owner = format!("{}/{}", meta.namespace.as_deref()?, meta.name.as_deref()?);
+                let annotations = meta.annotations.as_ref()?;
+                let gpu = annotations
+                    .get(ASSIGNED_GPUS_ANNOTATION)?
+                    .split(',')
+                    .next()?
+                    .trim()
+                    .to_string();
+                let asks = pod
+                    .spec
+                    .as_ref()?
+                    .containers
+                    .iter()
+                    .any(|c| container_units(c, resource) == Some(units));
+                let at = annotations
+                    .get(ASSIGNED_AT_ANNOTATION)
+                    .cloned()
+                    .unwrap_or_default();
+                (asks && !state.holds_memory(&owner)).then_some((at, gpu))
+            })
+            .collect();
+        candidates.sort();
+        candidates.into_iter().next().map(|(_, gpu)| gpu)
+    }
+}
+
+/// The whole number of `resource` units a container asks for (limits, as for any extended resource).
+fn container_units(container: &k8s_openapi::api::core::v1::Container, resource: &str) -> Option<u64> {
+    let resources = container.resources.as_ref()?;
+    let limit = resources.limits.as_ref().and_then(|m| m.get(resource));
+    let quantity: &Quantity = limit.or_else(|| resources.requests.as_ref().and_then(|m| m.get(resource)))?;
+    quantity.0.parse().ok()
+}
