@@ -14,4 +14,5 @@ pub mod gpu;
 pub mod inspect;
 pub mod node;
 pub mod plugin;
+pub mod scorer;
 pub mod sim;

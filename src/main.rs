@@ -19,6 +19,8 @@ enum Command {
     Inspect(gpumem::inspect::InspectArgs),
     /// Replay a GPU cluster trace through the placement policies and report allocation and fragmentation.
     Simulate(gpumem::sim::SimulateArgs),
+    /// Run the kube-scheduler extender (Deployment): filter, prioritize, bind and preempt for GPU pods.
+    Scorer(gpumem::scorer::ScorerArgs),
 }
 
 fn main() -> ExitCode {
@@ -31,6 +33,7 @@ fn main() -> ExitCode {
         Command::Agent(args) => gpumem::agent::run(&args),
         Command::Inspect(args) => gpumem::inspect::run(&args),
         Command::Simulate(args) => gpumem::sim::run(&args),
+        Command::Scorer(args) => gpumem::scorer::run(&args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -1,0 +1,675 @@
+//! `gpumem scorer`: the kube-scheduler extender (filter, prioritize, bind, preempt over HTTP).
+//!
+//! - [`extender`]: the protocol's wire types;
+//! - [`state`]: node GPU state from the agent's annotations, and pod requests;
+//! - [`decide`]: filter and ranking, pure, through the shared placement policy ([`crate::alloc`]);
+//! - [`ledger`]: binds in flight, so that concurrent decisions never double-book a GPU;
+//! - [`preempt`]: GPU-aware victim selection;
+//! - [`cache`]: reflector-fed node and pod caches (`nodeCacheCapable: true`);
+//! - [`server`]: HTTP (hyper + tower), `/healthz`, `/metrics`;
+//! - [`metrics`]: Prometheus metrics.
+//!
+//! The verbs themselves ([`Scorer`]) tie these together.
+
+pub mod cache;
+pub mod decide;
+pub mod extender;
+pub mod ledger;
+pub mod metrics;
+pub mod preempt;
+pub mod server;
+pub mod state;
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use k8s_openapi::api::core::v1::{Binding, Node, ObjectReference, Pod};
+use k8s_openapi::api::policy::v1::PodDisruptionBudget;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use kube::api::{ListParams, Patch, PatchParams, PostParams};
+use kube::{Api, Client};
+use serde::Deserialize;
+
+/// Every API call the scorer makes, as `group/resource:verb` (the deploy tests hold its RBAC to
+/// exactly this): node and pod reflectors, the chosen-GPU annotation, the binding, and the
+/// PodDisruptionBudgets preemption counts.
+pub const API_ACCESS: &[&str] = &[
+    "core/nodes:list",
+    "core/nodes:watch",
+    "core/pods:list",
+    "core/pods:watch",
+    "core/pods:patch",
+    "core/pods/binding:create",
+    "policy/poddisruptionbudgets:list",
+];
+
+use self::cache::{NodeCache, PodCache};
+use self::decide::{Fit, Rejection};
+use self::extender::{
+    ExtenderArgs, ExtenderBindingArgs, ExtenderBindingResult, ExtenderFilterResult, ExtenderPreemptionArgs,
+    ExtenderPreemptionResult, HostPriority, HostPriorityList, MetaPod, MetaVictims, NodeList,
+};
+use self::ledger::{Ledger, Reservation};
+use self::metrics::{Metrics, ReasonLabel, VerbLabel};
+use self::preempt::VictimInfo;
+use self::state::{ClassRules, NodeState, PodDemand};
+use crate::node::{ASSIGNED_AT_ANNOTATION, ASSIGNED_GPUS_ANNOTATION};
+
+/// `gpumem scorer` command line.
+#[derive(Debug, clap::Args)]
+pub struct ScorerArgs {
+    /// Address to serve the extender on.
+    #[arg(long, default_value = "0.0.0.0:8888")]
+    pub listen: SocketAddr,
+    /// YAML configuration file (weights, policy, limits); see [`Config`].
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// Run without a Kubernetes API (filter and prioritize in the `Nodes` form only; for demos).
+    #[arg(long)]
+    pub without_kube: bool,
+}
+
+/// One entry of the typical request mix.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct TypicalEntry {
+    /// GPU memory on one GPU, MiB.
+    #[serde(default)]
+    pub memory_mib: Option<u64>,
+    /// Whole GPUs.
+    #[serde(default)]
+    pub whole_gpus: Option<u32>,
+    /// Share of requests of this kind.
+    pub share: f64,
+}
+
+/// The scorer's configuration (`--config`, YAML, camelCase keys; every key optional).
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(default, rename_all = "camelCase", deny_unknown_fields)]
+pub struct Config {
+    /// The placement policy ranking nodes (as `gpumem simulate --policy`).
+    pub policy: String,
+    /// Weight of "spread" (room left) against the policy's fragmentation ranking, for online pods.
+    pub online_weight: f64,
+    /// Weight of "pack" (little room left) against the policy's ranking, for offline pods.
+    pub offline_weight: f64,
+    /// The online weight when the cluster's GPU memory is more than `hotThreshold` allocated.
+    pub hot_online_weight: f64,
+    pub hot_threshold: f64,
+    /// PriorityClass names whose pods are online (without a `gpumem.io/workload-class`).
+    pub online_priority_classes: Vec<String>,
+    /// Pods with at least this priority are online.
+    pub online_min_priority: Option<i32>,
+    /// How long a bind's reservation lasts if the agent never reports the pod.
+    pub ledger_ttl_seconds: u64,
+    /// Largest request body accepted.
+    pub max_body_bytes: usize,
+    /// The request mix the fragmentation measure protects.
+    pub typical_mix: Vec<TypicalEntry>,
+}
+
+impl Default for Config {
+    fn default() -> Config {
+        let mem = |m, share| TypicalEntry {
+            memory_mib: Some(m),
+            whole_gpus: None,
+            share,
+        };
+        let whole = |c, share| TypicalEntry {
+            memory_mib: None,
+            whole_gpus: Some(c),
+            share,
+        };
+        Config {
+            policy: "gpumem".into(),
+            online_weight: 0.7,
+            offline_weight: 0.3,
+            hot_online_weight: 0.9,
+            hot_threshold: 0.8,
+            online_priority_classes: Vec::new(),
+            online_min_priority: None,
+            ledger_ttl_seconds: 120,
+            max_body_bytes: 64 << 20,
+            typical_mix: vec![
+                mem(2048, 0.15),
+                mem(4096, 0.2),
+                mem(8192, 0.2),
+                mem(16384, 0.1),
+                whole(1, 0.25),
+                whole(2, 0.05),
+                whole(4, 0.03),
+                whole(8, 0.02),
+            ],
+        }
+    }
+}
+
+impl Config {
+    pub fn load(path: &std::path::Path) -> anyhow::Result<Config> {
+        let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+        let cfg: Config =
+            serde_norway::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    pub fn validate(&self) -> anyhow::Result<()> {
+        if crate::alloc::build_policy(
+            &self.policy,
+            &crate::alloc::Cluster::default(),
+            &crate::alloc::TypicalMix::default(),
+        )
+        .is_none()
+        {
+            anyhow::bail!(
+                "unknown policy {:?} (one of {:?})",
+                self.policy,
+                crate::alloc::POLICY_NAMES
+            );
+        }
+        for (name, w) in [
+            ("onlineWeight", self.online_weight),
+            ("offlineWeight", self.offline_weight),
+            ("hotOnlineWeight", self.hot_online_weight),
+            ("hotThreshold", self.hot_threshold),
+        ] {
+            if !(0.0..=1.0).contains(&w) {
+                anyhow::bail!("{name} is {w}, must be within 0..1");
+            }
+        }
+        if self
+            .typical_mix
+            .iter()
+            .any(|t| t.memory_mib.is_some() == t.whole_gpus.is_some())
+        {
+            anyhow::bail!("each typicalMix entry needs exactly one of memoryMiB and wholeGpus");
+        }
+        if self.max_body_bytes == 0 {
+            anyhow::bail!("maxBodyBytes is 0");
+        }
+        Ok(())
+    }
+}
+
+/// Victims per node: the pod objects where known, their UIDs, kube-scheduler's PDB violation count.
+type Proposed = BTreeMap<String, (Vec<Option<Arc<Pod>>>, Vec<String>, i64)>;
+
+/// A request the scorer cannot work with (HTTP 400).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct BadRequest(pub String);
+
+/// The extender: configuration, ledger, caches and (optionally) a Kubernetes client.
+pub struct Scorer {
+    pub config: Config,
+    pub ledger: Ledger,
+    pub metrics: Metrics,
+    nodes: Option<Arc<NodeCache>>,
+    pods: Option<Arc<PodCache>>,
+    client: Option<Client>,
+    rules: ClassRules,
+}
+
+impl Scorer {
+    pub fn new(
+        config: Config,
+        client: Option<Client>,
+        nodes: Option<Arc<NodeCache>>,
+        pods: Option<Arc<PodCache>>,
+    ) -> Scorer {
+        let rules = ClassRules {
+            online_priority_classes: config.online_priority_classes.clone(),
+            online_min_priority: config.online_min_priority,
+        };
+        Scorer {
+            ledger: Ledger::new(Duration::from_secs(config.ledger_ttl_seconds)),
+            config,
+            metrics: Metrics::new(),
+            nodes,
+            pods,
+            client,
+            rules,
+        }
+    }
+
+    fn observe(&self, verb: &'static str, start: Instant) {
+        self.metrics
+            .latency
+            .get_or_create(&VerbLabel { verb })
+            .observe(start.elapsed().as_secs_f64());
+    }
+
+    fn error(&self, verb: &'static str) {
+        self.metrics.errors.get_or_create(&VerbLabel { verb }).inc();
+    }
+
+    /// The candidate nodes' states (ledger applied), from the `Nodes` list or from the cache.
+    fn candidates(&self, args: &ExtenderArgs) -> Result<Vec<Arc<NodeState>>, BadRequest> {
+        let mut states: Vec<Arc<NodeState>> = if let Some(list) = &args.nodes {
+            list.items
+                .iter()
+                .map(|n| Arc::new(NodeState::from_json(n)))
+                .collect()
+        } else if let Some(names) = &args.node_names {
+            let Some(cache) = &self.nodes else {
+                return Err(BadRequest(
+                    "NodeNames given but this scorer has no node cache (nodeCacheCapable must be false)"
+                        .into(),
+                ));
+            };
+            names
+                .iter()
+                .map(|name| {
+                    cache.get(name).unwrap_or_else(|| {
+                        Arc::new(NodeState {
+                            name: name.clone(),
+                            resource_version: String::new(),
+                            unit_mib: 1,
+                            cpu_milli: 0,
+                            memory_mib: 0,
+                            gpus: Vec::new(),
+                            problem: Some("node is not (yet) in the scorer's node cache".into()),
+                        })
+                    })
+                })
+                .collect()
+        } else {
+            return Err(BadRequest("ExtenderArgs has neither Nodes nor NodeNames".into()));
+        };
+        self.ledger.apply_arcs(&mut states);
+        Ok(states)
+    }
+
+    fn demand(&self, pod: Option<&Pod>) -> Result<Result<Option<PodDemand>, String>, BadRequest> {
+        let pod = pod.ok_or_else(|| BadRequest("request has no Pod".into()))?;
+        Ok(state::pod_demand(pod, &self.rules))
+    }
+
+    /// `filter`.
+    pub fn filter(&self, mut args: ExtenderArgs) -> Result<ExtenderFilterResult, BadRequest> {
+        let start = Instant::now();
+        let demand = self.demand(args.pod.as_ref())?;
+        let states = self.candidates(&args)?;
+        let mut result = ExtenderFilterResult::default();
+        let mut keep = vec![true; states.len()];
+        let mut reject = |i: usize, r: Rejection, result: &mut ExtenderFilterResult| {
+            keep[i] = false;
+            self.metrics
+                .rejections
+                .get_or_create(&ReasonLabel { reason: r.category })
+                .inc();
+            let name = states[i].name.clone();
+            if r.unresolvable {
+                result
+                    .failed_and_unresolvable_nodes
+                    .insert(name.clone(), r.reason.clone());
+            }
+            result.failed_nodes.insert(name, r.reason);
+        };
+        match demand {
+            Err(reason) => {
+                for i in 0..states.len() {
+                    reject(
+                        i,
+                        Rejection {
+                            reason: reason.clone(),
+                            category: "bad_pod",
+                            unresolvable: true,
+                        },
+                        &mut result,
+                    );
+                }
+            }
+            Ok(None) => {}
+            Ok(Some(d)) => {
+                for (i, s) in states.iter().enumerate() {
+                    if let Err(r) = decide::check(s, &d) {
+                        reject(i, r, &mut result);
+                    }
+                }
+            }
+        }
+        if let Some(list) = args.nodes.take() {
+            let items = list
+                .items
+                .into_iter()
+                .zip(&keep)
+                .filter(|(_, k)| **k)
+                .map(|(n, _)| n)
+                .collect();
+            result.nodes = Some(NodeList {
+                items,
+                metadata: if list.metadata.is_null() {
+                    serde_json::json!({})
+                } else {
+                    list.metadata
+                },
+                ..list
+            });
+        } else {
+            result.node_names = Some(
+                states
+                    .iter()
+                    .zip(&keep)
+                    .filter(|(_, k)| **k)
+                    .map(|(s, _)| s.name.clone())
+                    .collect(),
+            );
+        }
+        self.observe("filter", start);
+        Ok(result)
+    }
+
+    /// `prioritize`: every candidate node gets a score; nodes that cannot host the pod get 0.
+    pub fn prioritize(&self, args: ExtenderArgs) -> Result<HostPriorityList, BadRequest> {
+        let start = Instant::now();
+        let demand = self.demand(args.pod.as_ref())?;
+        let states = self.candidates(&args)?;
+        let mut scores: Vec<i64> = vec![extender::MIN_EXTENDER_PRIORITY; states.len()];
+        if let Ok(Some(d)) = demand {
+            let refs: Vec<&NodeState> = states.iter().map(|s| s.as_ref()).collect();
+            let fits: Vec<(usize, Fit)> = refs
+                .iter()
+                .enumerate()
+                .filter_map(|(i, s)| decide::check(s, &d).ok().map(|f| (i, f)))
+                .collect();
+            let load = decide::load(&refs);
+            for (i, s) in decide::prioritize(&refs, &fits, &d, &self.config, load) {
+                scores[i] = s.score;
+            }
+        }
+        let list = states
+            .iter()
+            .zip(scores)
+            .map(|(s, score)| HostPriority {
+                host: s.name.clone(),
+                score,
+            })
+            .collect();
+        self.observe("prioritize", start);
+        Ok(list)
+    }
+
+    /// The GPU state of one node: from the cache, else from the API server.
+    async fn node_state(&self, name: &str) -> Result<NodeState, String> {
+        if let Some(s) = self.nodes.as_ref().and_then(|c| c.get(name)) {
+            return Ok((*s).clone());
+        }
+        let client = self
+            .client
+            .clone()
+            .ok_or("this scorer has no Kubernetes client")?;
+        let node = Api::<Node>::all(client)
+            .get(name)
+            .await
+            .map_err(|e| format!("reading node {name}: {e}"))?;
+        Ok(NodeState::from_node(&node))
+    }
+
+    /// `bind`: choose the GPU(s), reserve them in the ledger, record them on the pod, create the Binding.
+    pub async fn bind(&self, args: ExtenderBindingArgs) -> ExtenderBindingResult {
+        let start = Instant::now();
+        let result = self.bind_inner(&args).await;
+        self.metrics.ledger.set(self.ledger.len() as i64);
+        self.observe("bind", start);
+        match result {
+            Ok(()) => ExtenderBindingResult::default(),
+            Err(e) => {
+                self.error("bind");
+                tracing::warn!(
+                    "bind {}/{} to {}: {e}",
+                    args.pod_namespace,
+                    args.pod_name,
+                    args.node
+                );
+                ExtenderBindingResult { error: e }
+            }
+        }
+    }
+
+    async fn bind_inner(&self, args: &ExtenderBindingArgs) -> Result<(), String> {
+        let client = self
+            .client
+            .clone()
+            .ok_or("this scorer has no Kubernetes client")?;
+        if args.pod_name.is_empty() || args.node.is_empty() {
+            return Err("bind needs PodName and Node".into());
+        }
+        let namespace = if args.pod_namespace.is_empty() {
+            "default"
+        } else {
+            args.pod_namespace.as_str()
+        };
+        let pods: Api<Pod> = Api::namespaced(client, namespace);
+        let pod = pods
+            .get(&args.pod_name)
+            .await
+            .map_err(|e| format!("reading pod {namespace}/{}: {e}", args.pod_name))?;
+        let uid = pod.metadata.uid.as_deref().unwrap_or("");
+        if !args.pod_uid.is_empty() && uid != args.pod_uid {
+            return Err(format!(
+                "pod {namespace}/{} has UID {uid}, not {} (recreated?)",
+                args.pod_name, args.pod_uid
+            ));
+        }
+        let demand = state::pod_demand(&pod, &self.rules)?;
+        let mut reserved: Option<Reservation> = None;
+        if let Some(d) = &demand {
+            let mut node = self.node_state(&args.node).await?;
+            let config = &self.config;
+            let r = self.ledger.reserve(&mut node, |n| {
+                let fit = decide::check(n, d).map_err(|r| format!("node {}: {}", n.name, r.reason))?;
+                let load = decide::load(&[n]);
+                let scored = decide::prioritize(&[n], &[(0, fit)], d, config, load);
+                let gpus = scored.into_iter().next().map(|(_, s)| s.gpus).unwrap_or_default();
+                if gpus.is_empty() {
+                    return Err(format!("node {}: no GPU chosen", n.name));
+                }
+                Ok(Reservation {
+                    pod: d.key.clone(),
+                    gpus: gpus.iter().map(|&p| (p, n.gpus[p].uuid.clone())).collect(),
+                    mib: match d.demand {
+                        state::Demand::Memory { .. } => Some(d.memory_mib(n.unit_mib)),
+                        state::Demand::Whole { .. } => None,
+                    },
+                    at: Instant::now(),
+                })
+            })?;
+            reserved = Some(r);
+        }
+        let outcome = async {
+            if let Some(r) = &reserved {
+                let uuids: Vec<&str> = r.gpus.iter().map(|(_, u)| u.as_str()).collect();
+                let now = k8s_openapi::jiff::Timestamp::now().to_string();
+                let patch = serde_json::json!({"metadata": {"annotations": {
+                    ASSIGNED_GPUS_ANNOTATION: uuids.join(","),
+                    ASSIGNED_AT_ANNOTATION: now,
+                }}});
+                pods.patch(&args.pod_name, &PatchParams::default(), &Patch::Merge(&patch))
+                    .await
+                    .map_err(|e| format!("recording the GPU choice on the pod: {e}"))?;
+            }
+            let binding = Binding {
+                metadata: ObjectMeta {
+                    name: Some(args.pod_name.clone()),
+                    namespace: Some(namespace.to_string()),
+                    uid: pod.metadata.uid.clone(),
+                    ..ObjectMeta::default()
+                },
+                target: ObjectReference {
+                    api_version: Some("v1".into()),
+                    kind: Some("Node".into()),
+                    name: Some(args.node.clone()),
+                    ..ObjectReference::default()
+                },
+            };
+            pods.create_subresource::<_, serde_json::Value>(
+                "binding",
+                &args.pod_name,
+                &PostParams::default(),
+                &binding,
+            )
+            .await
+            .map_err(|e| format!("creating the binding: {e}"))?;
+            Ok::<(), String>(())
+        }
+        .await;
+        if outcome.is_err()
+            && let Some(r) = &reserved
+        {
+            self.ledger.release(&args.node, &r.pod);
+        }
+        outcome
+    }
+
+    /// `preempt`: per node, the victims that free room for the pod's GPUs (nodes where that cannot be
+    /// done from preemptible pods are dropped).
+    pub async fn preempt(
+        &self,
+        args: ExtenderPreemptionArgs,
+    ) -> Result<ExtenderPreemptionResult, BadRequest> {
+        let start = Instant::now();
+        let demand = self.demand(args.pod.as_ref())?;
+        // Victims per node as (pod objects when known, UIDs, kube-scheduler's PDB count).
+        let mut proposed: Proposed = BTreeMap::new();
+        if let Some(map) = args.node_name_to_victims {
+            for (node, v) in map {
+                let v = v.unwrap_or_default();
+                let uids = v
+                    .pods
+                    .iter()
+                    .map(|p| p.metadata.uid.clone().unwrap_or_default())
+                    .collect();
+                let pods = v.pods.into_iter().map(|p| Some(Arc::new(p))).collect();
+                proposed.insert(node, (pods, uids, v.num_pdb_violations));
+            }
+        } else if let Some(map) = args.node_name_to_meta_victims {
+            for (node, v) in map {
+                let v = v.unwrap_or_default();
+                let uids: Vec<String> = v.pods.into_iter().map(|p| p.uid).collect();
+                let pods = uids
+                    .iter()
+                    .map(|u| self.pods.as_ref().and_then(|c| c.by_uid(u)))
+                    .collect();
+                proposed.insert(node, (pods, uids, v.num_pdb_violations));
+            }
+        }
+        let mut result = ExtenderPreemptionResult::default();
+        let d = match demand {
+            Ok(Some(d)) => d,
+            // Not a GPU pod (or one the filter refuses anyway): the GPU side has nothing to say.
+            Ok(None) | Err(_) => {
+                for (node, (_, uids, pdb)) in proposed {
+                    let pods = uids.into_iter().map(|uid| MetaPod { uid }).collect();
+                    result.node_name_to_meta_victims.insert(
+                        node,
+                        MetaVictims {
+                            pods,
+                            num_pdb_violations: pdb,
+                        },
+                    );
+                }
+                self.observe("preempt", start);
+                return Ok(result);
+            }
+        };
+        let pdbs = self.pdbs(&proposed).await;
+        for (node_name, (pods, uids, num_pdb)) in proposed {
+            let mut node = match self.node_state(&node_name).await {
+                Ok(n) => n,
+                Err(e) => {
+                    tracing::warn!("preempt: {e}");
+                    continue;
+                }
+            };
+            self.ledger.apply(&mut node);
+            if pods.iter().any(Option::is_none) {
+                tracing::warn!("preempt: a victim on {node_name} is unknown to the scorer; node skipped");
+                continue;
+            }
+            let pods: Vec<&Pod> = pods.iter().flatten().map(|p| p.as_ref()).collect();
+            let mut victims: Vec<VictimInfo> = pods.iter().map(|p| VictimInfo::from_pod(p, &node)).collect();
+            if let Some(pdbs) = &pdbs {
+                preempt::mark_pdb_violations(&mut victims, &pods, pdbs);
+            }
+            if let Some((keep, violations)) = preempt::select_victims(&node, &d, &victims, num_pdb) {
+                result.node_name_to_meta_victims.insert(
+                    node_name,
+                    MetaVictims {
+                        pods: keep
+                            .into_iter()
+                            .map(|v| MetaPod { uid: uids[v].clone() })
+                            .collect(),
+                        num_pdb_violations: violations,
+                    },
+                );
+            }
+        }
+        self.observe("preempt", start);
+        Ok(result)
+    }
+
+    /// The PodDisruptionBudgets of the victims' namespaces; `None` if they cannot be read.
+    async fn pdbs(&self, proposed: &Proposed) -> Option<Vec<PodDisruptionBudget>> {
+        let client = self.client.clone()?;
+        let mut namespaces: Vec<String> = proposed
+            .values()
+            .flat_map(|(pods, _, _)| pods.iter().flatten())
+            .filter_map(|p| p.metadata.namespace.clone())
+            .collect();
+        namespaces.sort();
+        namespaces.dedup();
+        let mut all = Vec::new();
+        for ns in namespaces {
+            match Api::<PodDisruptionBudget>::namespaced(client.clone(), &ns)
+                .list(&ListParams::default())
+                .await
+            {
+                Ok(list) => all.extend(list.items),
+                Err(e) => {
+                    tracing::warn!("preempt: listing PodDisruptionBudgets in {ns}: {e}");
+                    return None;
+                }
+            }
+        }
+        Some(all)
+    }
+}
+
+/// `gpumem scorer`.
+pub fn run(args: &ScorerArgs) -> anyhow::Result<()> {
+    let config = match &args.config {
+        Some(path) => Config::load(path)?,
+        None => Config::default(),
+    };
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    runtime.block_on(async {
+        let (client, nodes, pods) = if args.without_kube {
+            (None, None, None)
+        } else {
+            let client = Client::try_default()
+                .await
+                .context("connecting to the Kubernetes API (use --without-kube for a demo)")?;
+            let nodes = NodeCache::start(client.clone());
+            let pods = PodCache::start(client.clone());
+            (Some(client), Some(nodes), Some(pods))
+        };
+        let scorer = Arc::new(Scorer::new(config, client, nodes, pods));
+        let listener = tokio::net::TcpListener::bind(args.listen)
+            .await
+            .with_context(|| format!("listening on {}", args.listen))?;
+        tracing::info!("gpumem scorer listening on {}", args.listen);
+        server::serve(listener, scorer, async {
+            let _ = tokio::signal::ctrl_c().await;
+        })
+        .await;
+        Ok(())
+    })
+}

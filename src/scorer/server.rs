@@ -1,0 +1,172 @@
+//! HTTP: one tower service per connection, served by hyper (HTTP/1.1, as kube-scheduler speaks it).
+//!
+//! Routes by the last path segment, so any `urlPrefix` works: `POST .../filter`, `.../prioritize`,
+//! `.../bind`, `.../preempt`; `GET /healthz`, `GET /metrics`. Bodies over `maxBodyBytes` get 413,
+//! malformed JSON 400 with serde's message; an error inside a verb is reported in the protocol's
+//! `Error` field.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::sync::Arc;
+
+use http_body_util::{BodyExt, Full, LengthLimitError, Limited};
+use hyper::body::{Bytes, Incoming};
+use hyper::header::{CONTENT_LENGTH, CONTENT_TYPE, HeaderValue};
+use hyper::{Method, Request, Response, StatusCode};
+use hyper_util::rt::TokioIo;
+use hyper_util::service::TowerToHyperService;
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use tokio::net::TcpListener;
+
+use super::Scorer;
+
+type Reply = Response<Full<Bytes>>;
+
+/// Serves until `shutdown` completes (connections in progress finish on their own tasks).
+pub async fn serve(listener: TcpListener, scorer: Arc<Scorer>, shutdown: impl Future<Output = ()>) {
+    let mut shutdown = std::pin::pin!(shutdown);
+    loop {
+        let accepted = tokio::select! {
+            a = listener.accept() => a,
+            () = &mut shutdown => return,
+        };
+        let (stream, _) = match accepted {
+            Ok(a) => a,
+            Err(e) => {
+                tracing::warn!("accept: {e}");
+                continue;
+            }
+        };
+        let _ = stream.set_nodelay(true);
+        let scorer = scorer.clone();
+        let service = tower::service_fn(move |req: Request<Incoming>| {
+            let scorer = scorer.clone();
+            async move { Ok::<_, Infallible>(handle(&scorer, req).await) }
+        });
+        tokio::spawn(async move {
+            let conn = hyper::server::conn::http1::Builder::new()
+                .serve_connection(TokioIo::new(stream), TowerToHyperService::new(service));
+            if let Err(e) = conn.await {
+                tracing::debug!("connection: {e}");
+            }
+        });
+    }
+}
+
+/// Binds `addr` and serves in the background; returns the bound address (tests bind 127.0.0.1:0).
+pub async fn spawn(
+    scorer: Arc<Scorer>,
+    addr: std::net::SocketAddr,
+) -> std::io::Result<(std::net::SocketAddr, tokio::task::JoinHandle<()>)> {
+    let listener = TcpListener::bind(addr).await?;
+    let local = listener.local_addr()?;
+    let task = tokio::spawn(serve(listener, scorer, std::future::pending()));
+    Ok((local, task))
+}
+
+fn reply(status: StatusCode, content_type: &'static str, body: impl Into<Bytes>) -> Reply {
+    let mut r = Response::new(Full::new(body.into()));
+    *r.status_mut() = status;
+    r.headers_mut()
+        .insert(CONTENT_TYPE, HeaderValue::from_static(content_type));
+    r
+}
+
+fn text(status: StatusCode, message: String) -> Reply {
+    reply(status, "text/plain; charset=utf-8", message)
+}
+
+fn json<T: Serialize>(value: &T) -> Reply {
+    match serde_json::to_vec(value) {
+        Ok(body) => reply(StatusCode::OK, "application/json", body),
+        Err(e) => text(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("encoding the answer: {e}"),
+        ),
+    }
+}
+
+/// Reads and decodes a JSON body within the size limit.
+async fn body<T: DeserializeOwned>(req: Request<Incoming>, limit: usize, what: &str) -> Result<T, Reply> {
+    let too_large = || {
+        text(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            format!("{what} body exceeds {limit} bytes (maxBodyBytes)"),
+        )
+    };
+    let declared = req
+        .headers()
+        .get(CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > limit as u64) {
+        return Err(too_large());
+    }
+    let bytes = match Limited::new(req.into_body(), limit).collect().await {
+        Ok(collected) => collected.to_bytes(),
+        Err(e) if e.is::<LengthLimitError>() => return Err(too_large()),
+        Err(e) => {
+            return Err(text(
+                StatusCode::BAD_REQUEST,
+                format!("reading the {what} body: {e}"),
+            ));
+        }
+    };
+    serde_json::from_slice(&bytes)
+        .map_err(|e| text(StatusCode::BAD_REQUEST, format!("malformed {what} request: {e}")))
+}
+
+async fn handle(scorer: &Scorer, req: Request<Incoming>) -> Reply {
+    let path = req.uri().path().trim_end_matches('/');
+    let verb = path.rsplit('/').next().unwrap_or("").to_string();
+    let limit = scorer.config.max_body_bytes;
+    match (req.method(), verb.as_str()) {
+        (&Method::GET, "healthz") => text(StatusCode::OK, "ok".into()),
+        (&Method::GET, "metrics") => reply(
+            StatusCode::OK,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+            scorer.metrics.encode(),
+        ),
+        (&Method::POST, "filter") => match body(req, limit, "filter").await {
+            Ok(args) => match scorer.filter(args) {
+                Ok(r) => json(&r),
+                Err(e) => bad(scorer, "filter", e),
+            },
+            Err(r) => refused(scorer, "filter", r),
+        },
+        (&Method::POST, "prioritize") => match body(req, limit, "prioritize").await {
+            Ok(args) => match scorer.prioritize(args) {
+                Ok(r) => json(&r),
+                Err(e) => bad(scorer, "prioritize", e),
+            },
+            Err(r) => refused(scorer, "prioritize", r),
+        },
+        (&Method::POST, "bind") => match body(req, limit, "bind").await {
+            Ok(args) => json(&scorer.bind(args).await),
+            Err(r) => refused(scorer, "bind", r),
+        },
+        (&Method::POST, "preempt") => match body(req, limit, "preempt").await {
+            Ok(args) => match scorer.preempt(args).await {
+                Ok(r) => json(&r),
+                Err(e) => bad(scorer, "preempt", e),
+            },
+            Err(r) => refused(scorer, "preempt", r),
+        },
+        (_, "healthz" | "metrics" | "filter" | "prioritize" | "bind" | "preempt") => text(
+            StatusCode::METHOD_NOT_ALLOWED,
+            format!("{} is not allowed on {path}", req.method()),
+        ),
+        _ => text(StatusCode::NOT_FOUND, format!("no such endpoint: {path}")),
+    }
+}
+
+fn bad(scorer: &Scorer, verb: &'static str, e: super::BadRequest) -> Reply {
+    scorer.error(verb);
+    text(StatusCode::BAD_REQUEST, e.0)
+}
+
+fn refused(scorer: &Scorer, verb: &'static str, r: Reply) -> Reply {
+    scorer.error(verb);
+    r
+}

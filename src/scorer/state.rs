@@ -1,0 +1,702 @@
+//! What the scorer knows: each Node's GPUs (from the agent's annotations) and what a pod asks for.
+//!
+//! A node whose annotations are missing, hand-edited or of an unknown version is kept with a
+//! [`NodeState::problem`]: it is unschedulable for GPU pods, and the problem is the reason given.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::core::v1::{Node, Pod};
+use serde::Deserialize;
+
+use crate::alloc::MAX_GPUS_PER_NODE;
+use crate::node::{
+    ASSIGNED_GPUS_ANNOTATION, GpuMode, Health, TOPOLOGY_ANNOTATION, TopologyAnnotation, USAGE_ANNOTATION,
+    UsageAnnotation, label_value,
+};
+
+/// Whole GPUs.
+pub const GPU_RESOURCE: &str = "nvidia.com/gpu";
+/// GPU memory, in units of the node's `gpumem.io/mem-unit-mib`.
+pub const GPU_MEM_RESOURCE: &str = "nvidia.com/gpu-mem";
+/// Node label: MiB per `nvidia.com/gpu-mem` unit.
+pub const MEM_UNIT_LABEL: &str = "gpumem.io/mem-unit-mib";
+/// Pod annotation: acceptable GPU models, comma-separated (as in the topology annotation, or as in the
+/// `nvidia.com/gpu.product` label, compared case-insensitively).
+pub const GPU_MODELS_ANNOTATION: &str = "gpumem.io/gpu-models";
+/// Pod annotation: what a multi-GPU pod needs of its GPUs: `nvlink`, `numa`, `pcie-switch` or `any`.
+pub const GPU_TOPOLOGY_ANNOTATION: &str = "gpumem.io/gpu-topology-policy";
+/// Pod label or annotation: `online` (latency-sensitive) or `offline` (batch).
+pub const WORKLOAD_CLASS_KEY: &str = "gpumem.io/workload-class";
+/// Pod label or annotation: `"true"` lets the scorer's preemption evict this pod.
+pub const PREEMPTIBLE_KEY: &str = "gpumem.io/preemptible";
+
+/// One GPU as the scorer sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GpuState {
+    pub index: u32,
+    pub uuid: String,
+    pub model: String,
+    pub memory_mib: u64,
+    pub allocated_mib: u64,
+    /// Allocated whole to one pod.
+    pub whole: bool,
+    pub healthy: bool,
+    pub numa_node: Option<u32>,
+    pub pcie_switch: Option<u32>,
+    /// NVLink links to other GPUs, by their position in [`NodeState::gpus`].
+    pub nvlink: Vec<(usize, u32)>,
+    /// `namespace/name` of the pods the agent reports on this GPU.
+    pub pods: Vec<String>,
+}
+
+impl GpuState {
+    pub fn free_mib(&self) -> u64 {
+        if self.whole {
+            0
+        } else {
+            self.memory_mib.saturating_sub(self.allocated_mib)
+        }
+    }
+
+    pub fn is_idle(&self) -> bool {
+        !self.whole && self.allocated_mib == 0
+    }
+
+    pub fn nvlinks_to(&self, other: usize) -> u32 {
+        self.nvlink
+            .iter()
+            .find(|(p, _)| *p == other)
+            .map_or(0, |(_, l)| *l)
+    }
+}
+
+/// One node as the scorer sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NodeState {
+    pub name: String,
+    pub resource_version: String,
+    /// MiB per `nvidia.com/gpu-mem` unit.
+    pub unit_mib: u64,
+    pub cpu_milli: u64,
+    pub memory_mib: u64,
+    /// By GPU index, increasing.
+    pub gpus: Vec<GpuState>,
+    /// Why GPU pods cannot go here (bad or missing annotations), if they cannot.
+    pub problem: Option<String>,
+}
+
+impl NodeState {
+    /// From a Node object.
+    pub fn from_node(node: &Node) -> NodeState {
+        let empty = BTreeMap::new();
+        let labels = node.metadata.labels.as_ref().unwrap_or(&empty);
+        let annotations = node.metadata.annotations.as_ref().unwrap_or(&empty);
+        let allocatable = node.status.as_ref().and_then(|s| s.allocatable.as_ref());
+        let quantity = |k: &str| allocatable.and_then(|a| a.get(k)).map(|q| q.0.as_str());
+        NodeState::from_parts(
+            node.metadata.name.as_deref().unwrap_or(""),
+            node.metadata.resource_version.as_deref().unwrap_or(""),
+            labels,
+            annotations,
+            quantity("cpu"),
+            quantity("memory"),
+        )
+    }
+
+    /// From a Node in raw JSON (the `Nodes` form of the extender protocol): only the fields the scorer
+    /// uses are decoded.
+    pub fn from_json(node: &serde_json::Value) -> NodeState {
+        match NodeView::deserialize(node) {
+            Ok(v) => NodeState::from_parts(
+                &v.metadata.name,
+                &v.metadata.resource_version,
+                &v.metadata.labels,
+                &v.metadata.annotations,
+                v.status.allocatable.get("cpu").map(String::as_str),
+                v.status.allocatable.get("memory").map(String::as_str),
+            ),
+            Err(e) => {
+                let name = node
+                    .pointer("/metadata/name")
+                    .and_then(|n| n.as_str())
+                    .unwrap_or("")
+                    .to_string();
+                NodeState::broken(&name, format!("node object cannot be read: {e}"))
+            }
+        }
+    }
+
+    fn broken(name: &str, problem: String) -> NodeState {
+        NodeState {
+            name: name.to_string(),
+            resource_version: String::new(),
+            unit_mib: 1,
+            cpu_milli: 0,
+            memory_mib: 0,
+            gpus: Vec::new(),
+            problem: Some(problem),
+        }
+    }
+
+    pub fn from_parts(
+        name: &str,
+        resource_version: &str,
+        labels: &BTreeMap<String, String>,
+        annotations: &BTreeMap<String, String>,
+        cpu: Option<&str>,
+        memory: Option<&str>,
+    ) -> NodeState {
+        let mut state = NodeState::broken(name, String::new());
+        state.resource_version = resource_version.to_string();
+        state.cpu_milli = cpu.and_then(parse_cpu_milli).unwrap_or(0);
+        state.memory_mib = memory.and_then(parse_memory_mib).unwrap_or(0);
+        match read_gpus(labels, annotations) {
+            Ok((unit, gpus)) => {
+                state.unit_mib = unit;
+                state.gpus = gpus;
+                state.problem = None;
+            }
+            Err(problem) => state.problem = Some(problem),
+        }
+        state
+    }
+
+    /// GPU position of `uuid`.
+    pub fn position_of(&self, uuid: &str) -> Option<usize> {
+        self.gpus.iter().position(|g| g.uuid == uuid)
+    }
+
+    /// Share of this node's GPU memory in use (0 for a node without GPUs).
+    pub fn allocated_fraction(&self) -> (u64, u64) {
+        let total: u64 = self.gpus.iter().map(|g| g.memory_mib).sum();
+        let free: u64 = self.gpus.iter().map(GpuState::free_mib).sum();
+        (total - free.min(total), total)
+    }
+}
+
+#[derive(Deserialize, Default)]
+#[serde(default)]
+struct NodeView {
+    metadata: MetaView,
+    status: StatusView,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(default, rename_all = "camelCase")]
+struct MetaView {
+    name: String,
+    resource_version: String,
+    labels: BTreeMap<String, String>,
+    annotations: BTreeMap<String, String>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(default)]
+struct StatusView {
+    allocatable: BTreeMap<String, String>,
+}
+
+fn read_gpus(
+    labels: &BTreeMap<String, String>,
+    annotations: &BTreeMap<String, String>,
+) -> Result<(u64, Vec<GpuState>), String> {
+    let topology_json = annotations.get(TOPOLOGY_ANNOTATION).ok_or_else(|| {
+        format!("node has no {TOPOLOGY_ANNOTATION} annotation (is the gpumem agent running on it?)")
+    })?;
+    let usage_json = annotations.get(USAGE_ANNOTATION).ok_or_else(|| {
+        format!("node has no {USAGE_ANNOTATION} annotation (is the gpumem agent running on it?)")
+    })?;
+    let topology = TopologyAnnotation::parse(topology_json).map_err(|e| e.to_string())?;
+    let usage = UsageAnnotation::parse(usage_json).map_err(|e| e.to_string())?;
+    let unit = match labels.get(MEM_UNIT_LABEL) {
+        None => topology.mem_unit_mib,
+        Some(label) => match label.parse::<u64>() {
+            Ok(u) if u == topology.mem_unit_mib => u,
+            Ok(u) => {
+                return Err(format!(
+                    "label {MEM_UNIT_LABEL}={u} disagrees with memUnitMiB {} in {TOPOLOGY_ANNOTATION}",
+                    topology.mem_unit_mib
+                ));
+            }
+            Err(_) => return Err(format!("label {MEM_UNIT_LABEL}={label:?} is not a number")),
+        },
+    };
+    if topology.gpus.len() > MAX_GPUS_PER_NODE {
+        return Err(format!(
+            "{TOPOLOGY_ANNOTATION} lists {} GPUs, at most {MAX_GPUS_PER_NODE} are supported",
+            topology.gpus.len()
+        ));
+    }
+    let mut topo = topology.gpus;
+    topo.sort_by_key(|g| g.index);
+    let position = |index: u32| topo.iter().position(|g| g.index == index);
+    let mut gpus: Vec<GpuState> = Vec::with_capacity(topo.len());
+    for g in &topo {
+        let mut nvlink = Vec::new();
+        for peer in &g.nvlink_peers {
+            let p = position(peer.index).ok_or_else(|| {
+                format!(
+                    "annotation {TOPOLOGY_ANNOTATION} is inconsistent: GPU {} has an NVLink peer {} that is not listed",
+                    g.index, peer.index
+                )
+            })?;
+            nvlink.push((p, peer.links));
+        }
+        gpus.push(GpuState {
+            index: g.index,
+            uuid: g.uuid.clone(),
+            model: g.model.clone(),
+            memory_mib: g.memory_mib,
+            allocated_mib: 0,
+            whole: false,
+            healthy: g.health == Health::Healthy,
+            numa_node: g.numa_node,
+            pcie_switch: g.pcie_switch,
+            nvlink,
+            pods: Vec::new(),
+        });
+    }
+    let mut seen = vec![false; gpus.len()];
+    for u in usage.gpus {
+        let inconsistent = |what: String| format!("annotation {USAGE_ANNOTATION} is inconsistent: {what}");
+        let p = position(u.index)
+            .ok_or_else(|| inconsistent(format!("GPU {} is not in {TOPOLOGY_ANNOTATION}", u.index)))?;
+        if std::mem::replace(&mut seen[p], true) {
+            return Err(inconsistent(format!("GPU {} twice", u.index)));
+        }
+        let gpu = &mut gpus[p];
+        match u.mode {
+            GpuMode::Free if u.allocated_mib != 0 || !u.pods.is_empty() => {
+                return Err(inconsistent(format!(
+                    "GPU {} is free but has {} MiB allocated",
+                    u.index, u.allocated_mib
+                )));
+            }
+            GpuMode::Shared if u.allocated_mib > gpu.memory_mib => {
+                return Err(inconsistent(format!(
+                    "GPU {} has {} MiB allocated of {} MiB",
+                    u.index, u.allocated_mib, gpu.memory_mib
+                )));
+            }
+            _ => {}
+        }
+        gpu.whole = u.mode == GpuMode::Whole;
+        gpu.allocated_mib = if gpu.whole {
+            gpu.memory_mib
+        } else {
+            u.allocated_mib
+        };
+        gpu.pods = u.pods;
+    }
+    if let Some(p) = seen.iter().position(|s| !s) {
+        return Err(format!(
+            "annotation {USAGE_ANNOTATION} is inconsistent: GPU {} has no usage entry",
+            gpus[p].index
+        ));
+    }
+    Ok((unit, gpus))
+}
+
+/// Latency-sensitive work spreads; batch work packs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WorkloadClass {
+    Online,
+    Offline,
+}
+
+/// What a multi-GPU pod needs of the set of GPUs it gets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TopologyNeed {
+    Any,
+    /// Every pair NVLinked.
+    NvLink,
+    /// All on one NUMA node.
+    Numa,
+    /// All behind one PCIe switch.
+    PcieSwitch,
+}
+
+impl TopologyNeed {
+    pub fn describe(self) -> &'static str {
+        match self {
+            TopologyNeed::Any => "",
+            TopologyNeed::NvLink => " all NVLinked to each other",
+            TopologyNeed::Numa => " on one NUMA node",
+            TopologyNeed::PcieSwitch => " behind one PCIe switch",
+        }
+    }
+}
+
+/// What a pod asks of GPUs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Demand {
+    /// `units` of `nvidia.com/gpu-mem` on ONE GPU (MiB = units × the node's unit).
+    Memory { units: u64 },
+    /// `count` whole GPUs.
+    Whole { count: u32 },
+}
+
+/// A GPU pod's request, as the scorer reads it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PodDemand {
+    /// `namespace/name`.
+    pub key: String,
+    pub uid: String,
+    pub demand: Demand,
+    /// Acceptable models, lower-cased; `None` = any.
+    pub models: Option<Vec<String>>,
+    pub topology: TopologyNeed,
+    pub class: WorkloadClass,
+    pub cpu_milli: u64,
+    pub memory_mib: u64,
+}
+
+impl PodDemand {
+    /// MiB needed on one GPU of a node with `unit_mib` per unit (whole GPUs: 0).
+    pub fn memory_mib(&self, unit_mib: u64) -> u64 {
+        match self.demand {
+            Demand::Memory { units } => units.saturating_mul(unit_mib),
+            Demand::Whole { .. } => 0,
+        }
+    }
+
+    /// Whether a GPU of `model` is acceptable.
+    pub fn allows_model(&self, model: &str) -> bool {
+        self.models.as_ref().is_none_or(|allowed| {
+            let plain = model.to_ascii_lowercase();
+            let label = label_value(model).to_ascii_lowercase();
+            allowed.iter().any(|a| *a == plain || *a == label)
+        })
+    }
+}
+
+/// How a pod's class is decided when it carries no `gpumem.io/workload-class`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClassRules {
+    /// PriorityClass names that mean online.
+    pub online_priority_classes: Vec<String>,
+    /// Pods with at least this priority are online.
+    pub online_min_priority: Option<i32>,
+}
+
+/// Reads the pod's GPU request. `Ok(None)`: the pod asks for no GPU.
+pub fn pod_demand(pod: &Pod, rules: &ClassRules) -> Result<Option<PodDemand>, String> {
+    let meta = &pod.metadata;
+    let key = format!(
+        "{}/{}",
+        meta.namespace.as_deref().unwrap_or("default"),
+        meta.name.as_deref().unwrap_or("")
+    );
+    let Some(spec) = pod.spec.as_ref() else {
+        return Ok(None);
+    };
+    // The effective request: the larger of the sum over app containers and any init container.
+    let amount = |c: &k8s_openapi::api::core::v1::Container, res: &str, parse: fn(&str) -> Option<u64>| {
+        let r = c.resources.as_ref();
+        let q = r
+            .and_then(|r| r.limits.as_ref())
+            .and_then(|l| l.get(res))
+            .or_else(|| r.and_then(|r| r.requests.as_ref()).and_then(|l| l.get(res)));
+        match q {
+            None => Ok(0),
+            Some(q) => parse(&q.0).ok_or_else(|| format!("{res} quantity {:?} is not understood", q.0)),
+        }
+    };
+    let request = |c: &k8s_openapi::api::core::v1::Container, res: &str, parse: fn(&str) -> Option<u64>| {
+        let q = c
+            .resources
+            .as_ref()
+            .and_then(|r| r.requests.as_ref())
+            .and_then(|l| l.get(res));
+        q.and_then(|q| parse(&q.0)).unwrap_or(0)
+    };
+    let mut totals = [0u64; 4];
+    let mut init_max = [0u64; 4];
+    for (containers, is_init) in [
+        (&spec.containers, false),
+        (&spec.init_containers.clone().unwrap_or_default(), true),
+    ] {
+        for c in containers.iter() {
+            let v = [
+                amount(c, GPU_MEM_RESOURCE, parse_integer)?,
+                amount(c, GPU_RESOURCE, parse_integer)?,
+                request(c, "cpu", parse_cpu_milli),
+                request(c, "memory", parse_memory_mib),
+            ];
+            for i in 0..4 {
+                if is_init {
+                    init_max[i] = init_max[i].max(v[i]);
+                } else {
+                    totals[i] = totals[i].saturating_add(v[i]);
+                }
+            }
+        }
+    }
+    let [mem_units, whole, cpu, memory] = [0, 1, 2, 3].map(|i| totals[i].max(init_max[i]));
+    let demand = match (mem_units, whole) {
+        (0, 0) => return Ok(None),
+        (m, 0) => Demand::Memory { units: m },
+        (0, w) => Demand::Whole {
+            count: u32::try_from(w).map_err(|_| format!("{w} whole GPUs is not a sensible request"))?,
+        },
+        (m, w) => {
+            return Err(format!(
+                "pod asks for both {GPU_RESOURCE} ({w}) and {GPU_MEM_RESOURCE} ({m}); ask for whole GPUs or for \
+                 GPU memory, not both"
+            ));
+        }
+    };
+    let annotations = meta.annotations.as_ref();
+    let labels = meta.labels.as_ref();
+    let get = |k: &str| {
+        labels
+            .and_then(|l| l.get(k))
+            .or_else(|| annotations.and_then(|a| a.get(k)))
+            .map(|v| v.trim().to_ascii_lowercase())
+    };
+    let models = annotations.and_then(|a| a.get(GPU_MODELS_ANNOTATION)).map(|v| {
+        v.split(',')
+            .map(|m| m.trim().to_ascii_lowercase())
+            .filter(|m| !m.is_empty())
+            .collect::<Vec<_>>()
+    });
+    let topology = match annotations
+        .and_then(|a| a.get(GPU_TOPOLOGY_ANNOTATION))
+        .map(|v| v.trim().to_ascii_lowercase())
+        .as_deref()
+    {
+        None | Some("" | "any" | "none") => TopologyNeed::Any,
+        Some("nvlink") => TopologyNeed::NvLink,
+        Some("numa" | "same-numa") => TopologyNeed::Numa,
+        Some("pcie-switch" | "pcie" | "same-pcie-switch") => TopologyNeed::PcieSwitch,
+        Some(other) => {
+            return Err(format!(
+                "annotation {GPU_TOPOLOGY_ANNOTATION}={other:?}: expected nvlink, numa, pcie-switch or any"
+            ));
+        }
+    };
+    let class = match get(WORKLOAD_CLASS_KEY).as_deref() {
+        Some("online") => WorkloadClass::Online,
+        Some("offline") => WorkloadClass::Offline,
+        Some(other) => {
+            return Err(format!(
+                "{WORKLOAD_CLASS_KEY}={other:?}: expected online or offline"
+            ));
+        }
+        None => {
+            let by_class = spec
+                .priority_class_name
+                .as_ref()
+                .is_some_and(|c| rules.online_priority_classes.iter().any(|o| o == c));
+            let by_priority =
+                matches!((spec.priority, rules.online_min_priority), (Some(p), Some(min)) if p >= min);
+            if by_class || by_priority {
+                WorkloadClass::Online
+            } else {
+                WorkloadClass::Offline
+            }
+        }
+    };
+    Ok(Some(PodDemand {
+        key,
+        uid: meta.uid.clone().unwrap_or_default(),
+        demand,
+        models,
+        topology,
+        class,
+        cpu_milli: cpu,
+        memory_mib: memory,
+    }))
+}
+
+/// Whether the pod may be preempted by the scorer (label or annotation `gpumem.io/preemptible: "true"`).
+pub fn is_preemptible(pod: &Pod) -> bool {
+    let is_true = |m: Option<&BTreeMap<String, String>>| {
+        m.and_then(|m| m.get(PREEMPTIBLE_KEY))
+            .is_some_and(|v| v.trim().eq_ignore_ascii_case("true"))
+    };
+    is_true(pod.metadata.labels.as_ref()) || is_true(pod.metadata.annotations.as_ref())
+}
+
+/// The GPU UUIDs recorded on a pod at bind time.
+pub fn assigned_gpus(pod: &Pod) -> Vec<String> {
+    pod.metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(ASSIGNED_GPUS_ANNOTATION))
+        .map(|v| {
+            v.split(',')
+                .map(|s| s.trim().to_string())
+                .filter(|s| !s.is_empty())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+fn parse_integer(q: &str) -> Option<u64> {
+    let q = q.trim();
+    // Extended resources are integers; accept the plain forms and "k"/"M" decimal suffixes.
+    let (digits, mul) = match q.as_bytes().last()? {
+        b'k' => (&q[..q.len() - 1], 1000),
+        b'M' => (&q[..q.len() - 1], 1_000_000),
+        _ => (q, 1),
+    };
+    digits.parse::<u64>().ok()?.checked_mul(mul)
+}
+
+/// A Kubernetes quantity as a number of base units (bytes, cores), as f64.
+fn parse_quantity(q: &str) -> Option<f64> {
+    let q = q.trim();
+    let split = q
+        .find(|c: char| !(c.is_ascii_digit() || c == '.' || c == '+' || c == '-'))
+        .unwrap_or(q.len());
+    let (num, suffix) = q.split_at(split);
+    let n: f64 = num.parse().ok()?;
+    let mul = match suffix {
+        "" => 1.0,
+        "m" => 1e-3,
+        "u" => 1e-6,
+        "n" => 1e-9,
+        "k" => 1e3,
+        "M" => 1e6,
+        "G" => 1e9,
+        "T" => 1e12,
+        "P" => 1e15,
+        "E" => 1e18,
+        "Ki" => 1024.0,
+        "Mi" => 1024.0 * 1024.0,
+        "Gi" => 1024.0 * 1024.0 * 1024.0,
+        "Ti" => 1024f64.powi(4),
+        "Pi" => 1024f64.powi(5),
+        "Ei" => 1024f64.powi(6),
+        s if s.starts_with(['e', 'E']) => 10f64.powi(s[1..].parse().ok()?),
+        _ => return None,
+    };
+    let v = n * mul;
+    (v.is_finite() && v >= 0.0).then_some(v)
+}
+
+pub fn parse_cpu_milli(q: &str) -> Option<u64> {
+    parse_quantity(q).map(|v| (v * 1000.0).ceil() as u64)
+}
+
+pub fn parse_memory_mib(q: &str) -> Option<u64> {
+    parse_quantity(q).map(|v| (v / (1024.0 * 1024.0)).ceil() as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn quantities() {
+        assert_eq!(parse_cpu_milli("3500m"), Some(3500));
+        assert_eq!(parse_cpu_milli("2"), Some(2000));
+        assert_eq!(parse_cpu_milli("0.5"), Some(500));
+        assert_eq!(parse_memory_mib("16Gi"), Some(16384));
+        assert_eq!(parse_memory_mib("1048576"), Some(1));
+        assert_eq!(parse_memory_mib("1e9"), Some(954));
+        assert_eq!(parse_memory_mib("12Qi"), None);
+        assert_eq!(parse_integer("5000"), Some(5000));
+        assert_eq!(parse_integer("5k"), Some(5000));
+        assert_eq!(parse_integer("-1"), None);
+    }
+
+    fn annotations(topology: &str, usage: &str) -> BTreeMap<String, String> {
+        BTreeMap::from([
+            (TOPOLOGY_ANNOTATION.to_string(), topology.to_string()),
+            (USAGE_ANNOTATION.to_string(), usage.to_string()),
+        ])
+    }
+
+    const TOPO: &str = r#"{"version":1,"memUnitMiB":1,"gpus":[
+        {"index":0,"uuid":"GPU-a","model":"Tesla T4","memoryMiB":15360,"numaNode":0,"pcieSwitch":null,"nvlinkPeers":[],"health":"Healthy"},
+        {"index":1,"uuid":"GPU-b","model":"Tesla T4","memoryMiB":15360,"numaNode":1,"pcieSwitch":null,"nvlinkPeers":[],"health":"Unhealthy"}]}"#;
+
+    #[test]
+    fn reads_gpus_and_reports_hand_edits() {
+        let usage = r#"{"version":1,"gpus":[{"index":0,"allocatedMiB":1000,"mode":"shared","pods":["a/b"]},
+            {"index":1,"allocatedMiB":0,"mode":"free","pods":[]}]}"#;
+        let n = NodeState::from_parts(
+            "n",
+            "1",
+            &BTreeMap::new(),
+            &annotations(TOPO, usage),
+            Some("8"),
+            Some("32Gi"),
+        );
+        assert_eq!(n.problem, None);
+        assert_eq!(n.gpus[0].free_mib(), 14360);
+        assert!(!n.gpus[1].healthy);
+        assert_eq!((n.cpu_milli, n.memory_mib), (8000, 32768));
+
+        let edited = usage.replace("\"allocatedMiB\":0", "\"allocatedMiB\":77");
+        let n = NodeState::from_parts(
+            "n",
+            "1",
+            &BTreeMap::new(),
+            &annotations(TOPO, &edited),
+            None,
+            None,
+        );
+        assert!(
+            n.problem
+                .as_deref()
+                .is_some_and(|p| p.contains("GPU 1 is free but has 77 MiB")),
+            "{n:?}"
+        );
+
+        let typo = usage.replace("allocatedMiB", "allocatedMB");
+        let n = NodeState::from_parts("n", "1", &BTreeMap::new(), &annotations(TOPO, &typo), None, None);
+        assert!(
+            n.problem.as_deref().is_some_and(|p| p.contains(USAGE_ANNOTATION)),
+            "{n:?}"
+        );
+
+        let labels = BTreeMap::from([(MEM_UNIT_LABEL.to_string(), "4".to_string())]);
+        let n = NodeState::from_parts("n", "1", &labels, &annotations(TOPO, usage), None, None);
+        assert!(
+            n.problem.as_deref().is_some_and(|p| p.contains("disagrees")),
+            "{n:?}"
+        );
+
+        let n = NodeState::from_parts("n", "1", &BTreeMap::new(), &BTreeMap::new(), None, None);
+        assert!(
+            n.problem.as_deref().is_some_and(|p| p.contains("agent running")),
+            "{n:?}"
+        );
+    }
+
+    fn pod(json: serde_json::Value) -> Pod {
+        serde_json::from_value(json).expect("pod")
+    }
+
+    #[test]
+    fn pod_demands() {
+        let rules = ClassRules {
+            online_priority_classes: vec!["serving".into()],
+            online_min_priority: None,
+        };
+        let p = pod(
+            serde_json::json!({"metadata":{"name":"p","namespace":"ns","annotations":{
+            "gpumem.io/gpu-models":"Tesla T4, NVIDIA-A100-SXM4-80GB"}},
+            "spec":{"priorityClassName":"serving","containers":[
+                {"name":"a","resources":{"limits":{"nvidia.com/gpu-mem":"3000"},"requests":{"cpu":"1"}}},
+                {"name":"b","resources":{"limits":{"nvidia.com/gpu-mem":"2000"}}}]}}),
+        );
+        let d = pod_demand(&p, &rules).expect("valid").expect("gpu pod");
+        assert_eq!(d.demand, Demand::Memory { units: 5000 });
+        assert_eq!(d.memory_mib(4), 20000);
+        assert_eq!(d.class, WorkloadClass::Online);
+        assert_eq!(d.cpu_milli, 1000);
+        assert!(d.allows_model("Tesla T4"));
+        assert!(d.allows_model("NVIDIA A100-SXM4-80GB"));
+        assert!(!d.allows_model("NVIDIA H100 80GB HBM3"));
+
+        let both = pod(serde_json::json!({"metadata":{"name":"p"},"spec":{"containers":[
+            {"name":"a","resources":{"limits":{"nvidia.com/gpu-mem":"3000","nvidia.com/gpu":"1"}}}]}}));
+        assert!(pod_demand(&both, &rules).is_err_and(|e| e.contains("both")));
+        let none = pod(serde_json::json!({"metadata":{"name":"p"},"spec":{"containers":[{"name":"a"}]}}));
+        assert_eq!(pod_demand(&none, &rules), Ok(None));
+    }
+}

@@ -1,0 +1,563 @@
+//! The Helm chart, rendered without `helm` (tests/deploy_support: the template subset documented in
+//! deploy/helm/gpumem/README.md) for default and non-default values: every object is the typed
+//! Kubernetes object it claims to be, the agent's config file is one the agent accepts, and the
+//! DaemonSet mounts every path that config makes the agent use.
+
+mod deploy_support;
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+
+use clap::{Args as _, FromArgMatches as _};
+use gpumem::agent::config::{DeviceListStrategy, MemoryLimits};
+use gpumem::agent::{AgentArgs, Config};
+use k8s_openapi::api::apps::v1::{DaemonSet, Deployment};
+use k8s_openapi::api::core::v1::{ConfigMap, Container, PodSpec};
+use serde_json::{Value as Json, json};
+
+use deploy_support::*;
+
+/// Flags the chart passes that the agent does not take yet; remove one when the agent learns it.
+/// `--metrics-listen ADDR`: the agent's /metrics endpoint (issue 7, item 3).
+const PENDING_AGENT_FLAGS: &[&str] = &["--metrics-listen"];
+
+/// Non-default values touching every switch of the chart.
+fn custom_values() -> Json {
+    json!({
+        "memUnitMiB": 4,
+        "resourceNames": {"gpu": "example.com/gpu", "mem": "example.com/vram"},
+        "enforcement": {"enabled": false},
+        "deviceListStrategy": "cdi-cri",
+        "images": {"gpumem": {"repository": "registry.example.com/gpumem", "tag": "9.9.9", "pullPolicy": "Always"}},
+        "imagePullSecrets": [{"name": "regcred"}],
+        "agent": {
+            "stateDir": "/opt/gpumem",
+            "devicePluginDir": "/data/kubelet/device-plugins",
+            "podResourcesDir": "/data/kubelet/pod-resources",
+            "nvml": {"mode": "hostPath", "driverLibDir": "/usr/lib64"},
+            "metrics": {"port": 9500},
+            "health": {"ignoredXids": [13], "quietPeriodSeconds": 60, "probeIntervalSeconds": 2},
+            "extraArgs": ["--health-quiet-period=120"],
+            "nodeSelector": {"gpu": "yes"},
+            "tolerations": []
+        },
+        "scorer": {
+            "replicas": 3,
+            "port": 9090,
+            "service": {"clusterIP": "10.96.100.80"},
+            "config": {"weights": {"online": 0.8}},
+            "pdb": {"minAvailable": 2},
+            "extraArgs": ["--without-kube"]
+        },
+        "scheduler": {"configApiVersion": "v1beta3", "name": "gpu-sched", "extender": {"weight": 3, "httpTimeout": "2s"}},
+        "metrics": {
+            "podMonitor": {"enabled": true, "labels": {"release": "prom"}},
+            "serviceMonitor": {"enabled": true},
+            "prometheusRule": {"enabled": true},
+            "grafanaDashboard": {"enabled": true}
+        },
+        "priorityClasses": {"online": {"value": 2000000}, "offline": {"name": "batch"}},
+        "quotas": [
+            {"namespace": "team-a", "gpuMem": "163840", "gpu": "2"},
+            {"namespace": "team-b", "gpuMem": 40960}
+        ]
+    })
+}
+
+fn objects(values: &Json) -> Vec<(String, Json)> {
+    let docs = rendered_docs(&render_chart(values));
+    for (template, doc) in &docs {
+        check_typed(doc).unwrap_or_else(|e| panic!("{template}: {e}"));
+    }
+    docs
+}
+
+fn find<'a>(docs: &'a [(String, Json)], kind: &str, name: &str) -> Option<&'a Json> {
+    docs.iter()
+        .map(|(_, d)| d)
+        .find(|d| d["kind"] == kind && d["metadata"]["name"] == name)
+}
+
+fn get<T: serde::de::DeserializeOwned>(docs: &[(String, Json)], kind: &str, name: &str) -> T {
+    parse(find(docs, kind, name).unwrap_or_else(|| panic!("no {kind} {name}")))
+}
+
+fn kinds_and_names(docs: &[(String, Json)]) -> BTreeSet<String> {
+    docs.iter()
+        .map(|(_, d)| format!("{}/{}", d["kind"].as_str().unwrap(), d["metadata"]["name"]))
+        .collect()
+}
+
+fn pod_spec(ds: &DaemonSet) -> &PodSpec {
+    ds.spec.as_ref().unwrap().template.spec.as_ref().unwrap()
+}
+
+fn container<'a>(spec: &'a PodSpec, name: &str) -> &'a Container {
+    spec.containers.iter().find(|c| c.name == name).unwrap()
+}
+
+#[test]
+fn default_values_render_the_expected_typed_objects() {
+    let docs = objects(&json!({}));
+    let names = kinds_and_names(&docs);
+    let expected = [
+        "ServiceAccount/\"gpumem-agent\"",
+        "ClusterRole/\"gpumem-agent\"",
+        "ClusterRoleBinding/\"gpumem-agent\"",
+        "ConfigMap/\"gpumem-agent\"",
+        "DaemonSet/\"gpumem-agent\"",
+        "ServiceAccount/\"gpumem-scorer\"",
+        "ClusterRole/\"gpumem-scorer\"",
+        "ClusterRoleBinding/\"gpumem-scorer\"",
+        "ConfigMap/\"gpumem-scorer\"",
+        "Deployment/\"gpumem-scorer\"",
+        "Service/\"gpumem-scorer\"",
+        "PodDisruptionBudget/\"gpumem-scorer\"",
+        "ServiceAccount/\"gpumem-scheduler\"",
+        "ClusterRoleBinding/\"gpumem-scheduler-kube-scheduler\"",
+        "ClusterRoleBinding/\"gpumem-scheduler-volume-scheduler\"",
+        "RoleBinding/\"gpumem-scheduler-authentication-reader\"",
+        "Role/\"gpumem-scheduler-lease\"",
+        "RoleBinding/\"gpumem-scheduler-lease\"",
+        "ConfigMap/\"gpumem-scheduler\"",
+        "Deployment/\"gpumem-scheduler\"",
+        "PriorityClass/\"gpumem-online\"",
+        "PriorityClass/\"gpumem-offline\"",
+    ];
+    let expected: BTreeSet<String> = expected.iter().map(|s| s.to_string()).collect();
+    assert_eq!(names, expected, "objects rendered with default values");
+
+    // Scorer: 2 replicas behind a PDB, probes on /healthz at the port the Service names.
+    let scorer: Deployment = get(&docs, "Deployment", "gpumem-scorer");
+    assert_eq!(scorer.spec.as_ref().unwrap().replicas, Some(2));
+    let spec = scorer.spec.as_ref().unwrap().template.spec.as_ref().unwrap();
+    let c = container(spec, "scorer");
+    assert_eq!(
+        c.args.as_ref().unwrap()[..2],
+        ["scorer".to_string(), "--listen=0.0.0.0:8080".into()]
+    );
+    let port = &c.ports.as_ref().unwrap()[0];
+    assert_eq!((port.name.as_deref(), port.container_port), (Some("http"), 8080));
+    for probe in [&c.readiness_probe, &c.liveness_probe] {
+        let get = probe.as_ref().unwrap().http_get.as_ref().unwrap();
+        assert_eq!(get.path.as_deref(), Some("/healthz"));
+        assert_eq!(serde_json::to_value(&get.port).unwrap(), json!("http"));
+    }
+    let pod_sc = spec.security_context.as_ref().unwrap();
+    assert_eq!(
+        (pod_sc.run_as_non_root, pod_sc.run_as_user),
+        (Some(true), Some(65532))
+    );
+    let pdb = find(&docs, "PodDisruptionBudget", "gpumem-scorer").unwrap();
+    assert_eq!(pdb["spec"]["minAvailable"], 1);
+    let pod_labels =
+        serde_json::to_value(&scorer.spec.as_ref().unwrap().template.metadata).unwrap()["labels"].clone();
+    for (k, v) in pdb["spec"]["selector"]["matchLabels"].as_object().unwrap() {
+        assert_eq!(&pod_labels[k], v, "the PDB selects the scorer's pods");
+    }
+    let service = find(&docs, "Service", "gpumem-scorer").unwrap();
+    assert_eq!(service["spec"]["ports"][0]["targetPort"], "http");
+    assert_eq!(service["spec"]["ports"][0]["port"], 8080);
+    assert!(service["spec"].get("clusterIP").is_none());
+}
+
+#[test]
+fn non_default_values_render_typed_objects_that_follow_them() {
+    let docs = objects(&custom_values());
+    let names = kinds_and_names(&docs);
+    for want in [
+        "PodMonitor/\"gpumem-agent\"",
+        "ServiceMonitor/\"gpumem-scorer\"",
+        "PrometheusRule/\"gpumem\"",
+        "ConfigMap/\"gpumem-dashboard\"",
+        "PriorityClass/\"batch\"",
+    ] {
+        assert!(names.contains(want), "{want} missing from {names:?}");
+    }
+    let ds: DaemonSet = get(&docs, "DaemonSet", "gpumem-agent");
+    let spec = pod_spec(&ds);
+    assert!(
+        spec.init_containers.is_none(),
+        "no shim to install without enforcement"
+    );
+    assert!(spec.tolerations.is_none(), "tolerations: [] leaves none");
+    assert_eq!(
+        spec.runtime_class_name, None,
+        "hostPath NVML does not use the NVIDIA runtime"
+    );
+    assert_eq!(spec.image_pull_secrets.as_ref().unwrap()[0].name, "regcred");
+    let agent = container(spec, "agent");
+    assert_eq!(agent.image.as_deref(), Some("registry.example.com/gpumem:9.9.9"));
+    assert_eq!(agent.security_context.as_ref().unwrap().privileged, Some(true));
+    assert!(
+        agent
+            .args
+            .as_ref()
+            .unwrap()
+            .contains(&"--health-quiet-period=120".to_string())
+    );
+    let env: Vec<_> = agent
+        .env
+        .as_ref()
+        .unwrap()
+        .iter()
+        .map(|e| e.name.as_str())
+        .collect();
+    assert_eq!(env, ["NODE_NAME"], "no NVIDIA runtime variables in hostPath mode");
+
+    let pc = find(&docs, "PriorityClass", "gpumem-online").unwrap();
+    assert_eq!(pc["value"], 2000000, "large numbers survive (through `int`)");
+    let quotas: Vec<_> = docs
+        .iter()
+        .map(|(_, d)| d)
+        .filter(|d| d["kind"] == "ResourceQuota")
+        .collect();
+    assert_eq!(quotas.len(), 2);
+    assert_eq!(quotas[0]["metadata"]["namespace"], "team-a");
+    assert_eq!(quotas[0]["spec"]["hard"]["requests.example.com/vram"], "163840");
+    assert_eq!(quotas[0]["spec"]["hard"]["requests.example.com/gpu"], "2");
+    assert_eq!(
+        quotas[1]["spec"]["hard"],
+        json!({"requests.example.com/vram": "40960"})
+    );
+
+    let scorer: Deployment = get(&docs, "Deployment", "gpumem-scorer");
+    assert_eq!(scorer.spec.as_ref().unwrap().replicas, Some(3));
+    let scorer_cm: ConfigMap = get(&docs, "ConfigMap", "gpumem-scorer");
+    let scorer_config = &yaml_docs(&scorer_cm.data.unwrap()["scorer.yaml"], "scorer.yaml")[0];
+    assert_eq!(scorer_config, &json!({"weights": {"online": 0.8}}));
+    let service = find(&docs, "Service", "gpumem-scorer").unwrap();
+    assert_eq!(service["spec"]["clusterIP"], "10.96.100.80");
+
+    let dashboard: ConfigMap = get(&docs, "ConfigMap", "gpumem-dashboard");
+    let json_text = &dashboard.data.unwrap()["gpumem.json"];
+    let original = read(&chart_dir().join("dashboards/gpumem.json"));
+    assert_eq!(
+        json_text.trim_end(),
+        original.trim_end(),
+        "the dashboard is embedded unchanged"
+    );
+    let pm = find(&docs, "PodMonitor", "gpumem-agent").unwrap();
+    assert_eq!(pm["metadata"]["labels"]["release"], "prom");
+
+    // Without the scorer and the second scheduler, none of their objects remain.
+    let none = objects(
+        &json!({"scorer": {"enabled": false}, "scheduler": {"mode": "none"},
+        "priorityClasses": {"enabled": false}, "metrics": {"serviceMonitor": {"enabled": true}}}),
+    );
+    let names = kinds_and_names(&none);
+    assert!(
+        names.iter().all(|n| n.contains("agent")),
+        "only the agent is left: {names:?}"
+    );
+}
+
+/// The agent's config file as rendered, loaded by the agent's own loader.
+fn agent_config(docs: &[(String, Json)], dir: &Path) -> (Config, PathBuf) {
+    let cm: ConfigMap = get(docs, "ConfigMap", "gpumem-agent");
+    let path = dir.join("agent.yaml");
+    std::fs::write(&path, &cm.data.unwrap()["agent.yaml"]).unwrap();
+    let args = AgentArgs {
+        config: Some(path.clone()),
+        ..Default::default()
+    };
+    let config =
+        Config::load(&args).unwrap_or_else(|e| panic!("the agent refuses the chart's config: {e:#}"));
+    (config, path)
+}
+
+#[test]
+fn the_agent_accepts_the_rendered_config_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let (config, _) = agent_config(&objects(&json!({})), dir.path());
+    let default = Config::default();
+    assert_eq!(config.mem_unit_mib, 1);
+    assert_eq!(
+        (config.gpu_resource.as_str(), config.mem_resource.as_str()),
+        ("nvidia.com/gpu", "nvidia.com/gpu-mem")
+    );
+    assert_eq!(config.device_plugin_dir, default.device_plugin_dir);
+    assert_eq!(config.pod_resources_socket, default.pod_resources_socket);
+    assert_eq!(config.state_dir, default.state_dir);
+    assert_eq!(
+        config.shim_path, default.shim_path,
+        "the chart installs the shim where the agent looks"
+    );
+    assert_eq!(config.memory_limits, MemoryLimits::Enforce);
+    assert_eq!(config.device_list_strategy, DeviceListStrategy::Envvar);
+    assert_eq!(config.ignored_xids, default.ignored_xids);
+    assert_eq!(config.health_quiet_period, default.health_quiet_period);
+    assert_eq!(config.nvml_lib, None);
+
+    let (config, _) = agent_config(&objects(&custom_values()), dir.path());
+    assert_eq!(config.mem_unit_mib, 4);
+    assert_eq!(config.mem_resource, "example.com/vram");
+    assert_eq!(config.memory_limits, MemoryLimits::Off);
+    assert_eq!(config.device_list_strategy, DeviceListStrategy::CdiCri);
+    assert_eq!(config.state_dir, Path::new("/opt/gpumem"));
+    assert_eq!(config.shim_path, Path::new("/opt/gpumem/lib/libgpumem_cuda.so"));
+    assert_eq!(
+        config.pod_resources_socket,
+        Path::new("/data/kubelet/pod-resources/kubelet.sock")
+    );
+    assert_eq!(config.ignored_xids, [13]);
+    assert_eq!(config.health_probe_interval.as_secs(), 2);
+    assert_eq!(
+        config.nvml_lib.as_deref(),
+        Some(Path::new("/run/gpumem/driver/libnvidia-ml.so.1"))
+    );
+}
+
+/// The host path behind the container path `path`, from the pod's hostPath volumes and the
+/// container's mounts (the longest mount prefix wins).
+fn host_path_of(spec: &PodSpec, c: &Container, path: &Path) -> Option<PathBuf> {
+    let mount = c
+        .volume_mounts
+        .iter()
+        .flatten()
+        .filter(|m| path.starts_with(&m.mount_path))
+        .max_by_key(|m| m.mount_path.len())?;
+    let volume = spec.volumes.iter().flatten().find(|v| v.name == mount.name)?;
+    let host = &volume.host_path.as_ref()?.path;
+    Some(Path::new(host).join(path.strip_prefix(&mount.mount_path).unwrap()))
+}
+
+#[test]
+fn the_daemonset_mounts_every_path_the_agent_uses() {
+    for values in [
+        json!({}),
+        custom_values(),
+        json!({"agent": {"nvml": {"mode": "hostPath"}}}),
+    ] {
+        let docs = objects(&values);
+        let dir = tempfile::tempdir().unwrap();
+        let (config, _) = agent_config(&docs, dir.path());
+        let ds: DaemonSet = get(&docs, "DaemonSet", "gpumem-agent");
+        let spec = pod_spec(&ds);
+        let agent = container(spec, "agent");
+        // The agent hands the kubelet HOST paths (shim, preload file, accounting dirs) and creates
+        // sockets the kubelet dials by host path: these are mounted at the same path inside.
+        let mut same_path = vec![
+            config.device_plugin_dir.clone(),
+            config.pod_resources_socket.parent().unwrap().to_path_buf(),
+            config.state_dir.clone(),
+            config.state_dir.join("containers"),
+        ];
+        if config.memory_limits == MemoryLimits::Enforce {
+            same_path.push(config.shim_path.parent().unwrap().to_path_buf());
+        }
+        for path in &same_path {
+            assert_eq!(
+                host_path_of(spec, agent, path).as_deref(),
+                Some(path.as_path()),
+                "{} must be the host's {0} inside the agent",
+                path.display()
+            );
+        }
+        let writable = |p: &Path| {
+            agent
+                .volume_mounts
+                .iter()
+                .flatten()
+                .filter(|m| p.starts_with(&m.mount_path))
+                .max_by_key(|m| m.mount_path.len())
+                .is_some_and(|m| m.read_only != Some(true))
+        };
+        assert!(
+            writable(&config.device_plugin_dir),
+            "the agent creates its sockets there"
+        );
+        assert!(
+            writable(&config.state_dir),
+            "the agent writes accounting dirs there"
+        );
+        if let Some(nvml) = &config.nvml_lib {
+            let host = host_path_of(spec, agent, nvml).expect("the NVML library is mounted");
+            assert!(host.ends_with("libnvidia-ml.so.1"), "{}", host.display());
+        }
+        // The config file itself.
+        let args = agent.args.as_ref().unwrap();
+        let config_arg = args.iter().find_map(|a| a.strip_prefix("--config=")).unwrap();
+        let m = agent
+            .volume_mounts
+            .iter()
+            .flatten()
+            .find(|m| Path::new(config_arg).starts_with(&m.mount_path));
+        let volume = spec
+            .volumes
+            .iter()
+            .flatten()
+            .find(|v| Some(&v.name) == m.map(|m| &m.name))
+            .unwrap();
+        assert_eq!(volume.config_map.as_ref().unwrap().name, "gpumem-agent");
+        assert!(config_arg.ends_with("/agent.yaml"));
+        // The init container installs the shim into the host directory the agent reads it from.
+        if config.memory_limits == MemoryLimits::Enforce {
+            let init = &spec.init_containers.as_ref().unwrap()[0];
+            let dest = init
+                .env
+                .iter()
+                .flatten()
+                .find(|e| e.name == "DEST")
+                .unwrap()
+                .value
+                .clone()
+                .unwrap();
+            assert_eq!(Path::new(&dest), config.shim_path.parent().unwrap());
+            assert_eq!(
+                host_path_of(spec, init, Path::new(&dest)).as_deref(),
+                Some(Path::new(&dest))
+            );
+            let script = init.command.as_ref().unwrap().join(" ");
+            assert!(
+                script.contains("/usr/local/lib/gpumem/libgpumem_cuda.so"),
+                "{script}"
+            );
+            assert!(script.contains(&format!(
+                "\"$DEST/{}\"",
+                config.shim_path.file_name().unwrap().to_string_lossy()
+            )));
+            assert!(
+                script.contains("mv -f"),
+                "installed by rename, never overwritten in place"
+            );
+        }
+    }
+}
+
+#[test]
+fn the_agent_accepts_the_daemonsets_flags() {
+    for values in [json!({}), custom_values()] {
+        let docs = objects(&values);
+        let ds: DaemonSet = get(&docs, "DaemonSet", "gpumem-agent");
+        let args = container(pod_spec(&ds), "agent").args.clone().unwrap();
+        assert_eq!(args[0], "agent");
+        let mut argv = vec!["gpumem-agent".to_string()];
+        for a in &args[1..] {
+            if !PENDING_AGENT_FLAGS
+                .iter()
+                .any(|p| a == p || a.starts_with(&format!("{p}=")))
+            {
+                argv.push(a.clone());
+            }
+        }
+        let cmd = AgentArgs::augment_args(clap::Command::new("gpumem-agent"));
+        let matches = cmd
+            .try_get_matches_from(&argv)
+            .unwrap_or_else(|e| panic!("{argv:?}: {e}"));
+        let parsed = AgentArgs::from_arg_matches(&matches).unwrap();
+        assert_eq!(
+            parsed.config.as_deref(),
+            Some(Path::new("/etc/gpumem/agent.yaml"))
+        );
+    }
+}
+
+#[test]
+fn the_agent_runs_with_least_privilege_in_runtime_mode() {
+    let docs = objects(&json!({}));
+    let ds: DaemonSet = get(&docs, "DaemonSet", "gpumem-agent");
+    let spec = pod_spec(&ds);
+    assert_eq!(spec.priority_class_name.as_deref(), Some("system-node-critical"));
+    assert_eq!(spec.runtime_class_name.as_deref(), Some("nvidia"));
+    assert!(!spec.node_selector.as_ref().unwrap().is_empty(), "GPU nodes only");
+    let tolerations = spec.tolerations.as_ref().unwrap();
+    assert!(
+        tolerations
+            .iter()
+            .any(|t| t.key.as_deref() == Some("nvidia.com/gpu") && t.operator.as_deref() == Some("Exists"))
+    );
+    assert!(!spec.host_network.unwrap_or(false) && !spec.host_pid.unwrap_or(false));
+    let agent = container(spec, "agent");
+    let sc = agent.security_context.as_ref().unwrap();
+    assert_eq!(sc.privileged, Some(false));
+    assert_eq!(sc.allow_privilege_escalation, Some(false));
+    assert_eq!(sc.read_only_root_filesystem, Some(true));
+    let caps = sc.capabilities.as_ref().unwrap();
+    assert_eq!(caps.drop.as_deref(), Some(&["ALL".to_string()][..]));
+    assert_eq!(
+        caps.add, None,
+        "NVML through the NVIDIA runtime needs no capability"
+    );
+    let env = agent.env.as_ref().unwrap();
+    let value = |name: &str| env.iter().find(|e| e.name == name).and_then(|e| e.value.clone());
+    assert_eq!(value("NVIDIA_VISIBLE_DEVICES").as_deref(), Some("all"));
+    assert_eq!(value("NVIDIA_DRIVER_CAPABILITIES").as_deref(), Some("utility"));
+    let node = env.iter().find(|e| e.name == "NODE_NAME").unwrap();
+    let field = node.value_from.as_ref().unwrap().field_ref.as_ref().unwrap();
+    assert_eq!(field.field_path, "spec.nodeName");
+    for v in spec.volumes.iter().flatten() {
+        if let Some(hp) = &v.host_path {
+            assert!(
+                hp.path.starts_with("/var/lib/"),
+                "only the kubelet's and gpumem's directories: {}",
+                hp.path
+            );
+        }
+    }
+    let init = &spec.init_containers.as_ref().unwrap()[0];
+    let isc = init.security_context.as_ref().unwrap();
+    assert_eq!(isc.read_only_root_filesystem, Some(true));
+    assert_eq!(
+        isc.capabilities.as_ref().unwrap().drop.as_deref(),
+        Some(&["ALL".to_string()][..])
+    );
+}
+
+// ---- the checks themselves can fail -------------------------------------------------------------
+
+fn scratch_chart(template: &str) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::create_dir_all(dir.path().join("templates")).unwrap();
+    std::fs::copy(chart_dir().join("Chart.yaml"), dir.path().join("Chart.yaml")).unwrap();
+    std::fs::copy(chart_dir().join("values.yaml"), dir.path().join("values.yaml")).unwrap();
+    std::fs::write(dir.path().join("templates/t.yaml"), template).unwrap();
+    dir
+}
+
+#[test]
+fn the_renderer_refuses_what_helm_would_render_wrong() {
+    // A value path that does not exist.
+    let dir = scratch_chart("name: {{ .Values.agent.nosuchkey }}\n");
+    let err = render_chart_at(dir.path(), &json!({})).err().unwrap();
+    assert!(err.contains("<no value>"), "{err}");
+    // A function outside the subset.
+    let dir = scratch_chart("name: {{ include \"x\" . }}\n");
+    assert!(render_chart_at(dir.path(), &json!({})).is_err());
+    // A large number printed without `int` comes out as Helm prints it, and is no longer a number.
+    let dir = scratch_chart("value: {{ .Values.priorityClasses.online.value }}\n");
+    let out = render_chart_at(
+        dir.path(),
+        &json!({"priorityClasses": {"online": {"value": 2000000}}}),
+    )
+    .unwrap();
+    assert_eq!(out[0].text, "value: 2e+06\n");
+    let dir = scratch_chart("value: {{ int .Values.priorityClasses.online.value }}\n");
+    let out = render_chart_at(
+        dir.path(),
+        &json!({"priorityClasses": {"online": {"value": 2000000}}}),
+    )
+    .unwrap();
+    assert_eq!(out[0].text, "value: 2000000\n");
+    // toYaml / nindent as Helm's.
+    let dir = scratch_chart("a:\n  {{- toYaml .Values.agent.resources | nindent 2 }}\n");
+    let out = render_chart_at(dir.path(), &json!({})).unwrap();
+    assert_eq!(yaml_docs(&out[0].text, "t")[0]["a"]["requests"]["cpu"], "50m");
+}
+
+#[test]
+fn typed_parsing_catches_misspelt_fields() {
+    let ok = json!({"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "x"},
+        "spec": {"replicas": 1, "selector": {}, "template": {"spec": {"containers": [{"name": "c"}]}}}});
+    check_typed(&ok).unwrap();
+    let mut typo = ok.clone();
+    typo["spec"]["replica"] = json!(1);
+    let err = check_typed(&typo).unwrap_err();
+    assert!(err.contains(".spec.replica"), "{err}");
+    let mut wrong_kind = ok.clone();
+    wrong_kind["kind"] = json!("Deploymnet");
+    assert!(check_typed(&wrong_kind).is_err());
+    let pm = json!({"apiVersion": "monitoring.coreos.com/v1", "kind": "PodMonitor", "metadata": {"name": "x"},
+        "spec": {"selector": {}, "podMetricsEndpoints": [{"port": "m", "path": "/metrics", "interval": "30s", "scheme": "http"}]}});
+    assert!(check_typed(&pm).unwrap_err().contains("scheme"));
+}

@@ -1,0 +1,173 @@
+//! RBAC: the agent and the scorer get exactly the API access their code uses, in the chart (default
+//! and non-default values) and in deploy/manifests; each ClusterRole is bound to the ServiceAccount
+//! its workload runs as; the second scheduler gets the built-in scheduler roles and its own Lease.
+
+mod deploy_support;
+
+use std::collections::BTreeSet;
+
+use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, Role, RoleBinding};
+use serde_json::{Value as Json, json};
+
+use deploy_support::*;
+
+/// What the agent's code calls (`gpumem::agent::cluster`) and the scorer's (`gpumem::scorer`), as
+/// `group/resource:verb`: the lists sit beside the calls they describe.
+const AGENT: &[&str] = gpumem::agent::cluster::API_ACCESS;
+const SCORER: &[&str] = gpumem::scorer::API_ACCESS;
+
+fn set(list: &[&str]) -> BTreeSet<String> {
+    list.iter().map(|s| s.to_string()).collect()
+}
+
+fn of_kind<T: serde::de::DeserializeOwned>(docs: &[Json], kind: &str) -> Vec<T> {
+    docs.iter().filter(|d| d["kind"] == kind).map(parse).collect()
+}
+
+/// Checks a set of objects (one rendering, or the manifests): the two roles, their bindings, the
+/// workloads' service accounts, and the second scheduler's roles when it is there.
+fn check(docs: &[Json], what: &str) {
+    let roles: Vec<ClusterRole> = of_kind(docs, "ClusterRole");
+    let bindings: Vec<ClusterRoleBinding> = of_kind(docs, "ClusterRoleBinding");
+    for (component, want, workload_kind) in [("agent", AGENT, "DaemonSet"), ("scorer", SCORER, "Deployment")]
+    {
+        let name = format!("gpumem-{component}");
+        let role = roles
+            .iter()
+            .find(|r| r.metadata.name.as_deref() == Some(&name))
+            .unwrap_or_else(|| panic!("{what}: no {name}"));
+        assert_eq!(
+            rbac_triples(role.rules.as_deref().unwrap()),
+            set(want),
+            "{what}: rules of {name}"
+        );
+        let binding = bindings.iter().find(|b| b.role_ref.name == name).unwrap();
+        assert_eq!(binding.role_ref.kind, "ClusterRole");
+        let subjects = binding.subjects.as_ref().unwrap();
+        assert_eq!(subjects.len(), 1);
+        let workload = docs
+            .iter()
+            .find(|d| d["kind"] == workload_kind && d["metadata"]["name"] == name.as_str())
+            .unwrap();
+        assert_eq!(
+            workload["spec"]["template"]["spec"]["serviceAccountName"],
+            subjects[0].name.as_str()
+        );
+        assert_eq!(
+            workload["metadata"]["namespace"],
+            subjects[0].namespace.as_deref().unwrap()
+        );
+        assert!(
+            docs.iter()
+                .any(|d| d["kind"] == "ServiceAccount" && d["metadata"]["name"] == subjects[0].name.as_str())
+        );
+    }
+    // Nothing else gets a ClusterRole of ours; the scheduler binds the built-in ones.
+    let ours: BTreeSet<_> = roles.iter().map(|r| r.metadata.name.clone().unwrap()).collect();
+    assert_eq!(ours, set(&["gpumem-agent", "gpumem-scorer"]), "{what}");
+    if let Some(scheduler) = docs
+        .iter()
+        .find(|d| d["kind"] == "Deployment" && d["metadata"]["name"] == "gpumem-scheduler")
+    {
+        let sa = scheduler["spec"]["template"]["spec"]["serviceAccountName"]
+            .as_str()
+            .unwrap();
+        let builtin: BTreeSet<_> = bindings
+            .iter()
+            .filter(|b| b.subjects.iter().flatten().any(|s| s.name == sa))
+            .map(|b| b.role_ref.name.clone())
+            .collect();
+        assert_eq!(
+            builtin,
+            set(&["system:kube-scheduler", "system:volume-scheduler"]),
+            "{what}"
+        );
+        let role_bindings: Vec<RoleBinding> = of_kind(docs, "RoleBinding");
+        let auth = role_bindings
+            .iter()
+            .find(|b| b.role_ref.name == "extension-apiserver-authentication-reader")
+            .unwrap();
+        assert_eq!(auth.metadata.namespace.as_deref(), Some("kube-system"));
+        let roles: Vec<Role> = of_kind(docs, "Role");
+        assert_eq!(roles.len(), 1, "{what}: one Role, the scheduler's Lease");
+        let lease = rbac_triples(roles[0].rules.as_deref().unwrap());
+        let name = scheduler_name(docs);
+        assert_eq!(
+            lease,
+            set(&[
+                "coordination.k8s.io/leases:create",
+                &format!("coordination.k8s.io/leases[{name}]:get"),
+                &format!("coordination.k8s.io/leases[{name}]:update"),
+            ]),
+            "{what}"
+        );
+    }
+}
+
+/// The Lease name in the second scheduler's configuration.
+fn scheduler_name(docs: &[Json]) -> String {
+    let cm = docs
+        .iter()
+        .find(|d| d["kind"] == "ConfigMap" && d["metadata"]["name"] == "gpumem-scheduler")
+        .unwrap();
+    let config = &yaml_docs(
+        cm["data"]["scheduler-config.yaml"].as_str().unwrap(),
+        "scheduler-config.yaml",
+    )[0];
+    config["leaderElection"]["resourceName"]
+        .as_str()
+        .unwrap()
+        .to_string()
+}
+
+fn chart(values: &Json) -> Vec<Json> {
+    rendered_docs(&render_chart(values))
+        .into_iter()
+        .map(|(_, d)| d)
+        .collect()
+}
+
+#[test]
+fn the_chart_grants_exactly_what_the_code_calls() {
+    check(&chart(&json!({})), "chart, default values");
+    check(
+        &chart(&json!({"scheduler": {"name": "gpu-sched"}, "metrics": {"podMonitor": {"enabled": true}}})),
+        "chart, other values",
+    );
+    check(
+        &chart(&json!({"scheduler": {"mode": "none"}})),
+        "chart, no second scheduler",
+    );
+}
+
+#[test]
+fn the_manifests_grant_exactly_what_the_code_calls() {
+    let mut docs = Vec::new();
+    for dir in ["base", "components/second-scheduler"] {
+        for path in files_under(&repo().join("deploy/manifests").join(dir), &[".yaml"]) {
+            docs.extend(yaml_docs(&read(&path), &path.display().to_string()));
+        }
+    }
+    check(&docs, "deploy/manifests");
+}
+
+#[test]
+fn a_rule_too_many_or_too_few_fails() {
+    let docs = chart(&json!({}));
+    for change in [json!("list"), json!(null)] {
+        let mut docs = docs.clone();
+        let role = docs
+            .iter_mut()
+            .find(|d| d["kind"] == "ClusterRole" && d["metadata"]["name"] == "gpumem-agent")
+            .unwrap();
+        let verbs = role["rules"][0]["verbs"].as_array_mut().unwrap();
+        match change {
+            Json::Null => {
+                verbs.pop();
+            }
+            v => verbs.push(v),
+        }
+        let result = std::panic::catch_unwind(|| check(&docs, "mutated"));
+        assert!(result.is_err(), "a changed agent role must fail the check");
+    }
+}

@@ -1,0 +1,284 @@
+//! bind and preempt over HTTP, against a fake Kubernetes API server on 127.0.0.1 reached through kube's
+//! client: the GPU choice recorded on the pod before the Binding, no double-booking under concurrent
+//! binds, the ledger released on failure, and GPU-aware victim selection.
+
+mod scorer_support;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use gpumem::scorer::cache::{NodeCache, PodCache};
+use gpumem::scorer::{Config, Scorer};
+use k8s_openapi::api::core::v1::{Node, Pod};
+use serde_json::{Value, json};
+
+use scorer_support::*;
+
+async fn setup(nodes: &[Value], pods: &[Value]) -> (std::net::SocketAddr, Arc<Scorer>, Arc<FakeApi>) {
+    let api = Arc::new(FakeApi::default());
+    for n in nodes {
+        let name = n["metadata"]["name"].as_str().expect("name").to_string();
+        api.nodes.lock().expect("lock").insert(name, n.clone());
+    }
+    for p in pods {
+        let key = format!(
+            "{}/{}",
+            p["metadata"]["namespace"].as_str().expect("ns"),
+            p["metadata"]["name"].as_str().expect("name")
+        );
+        api.pods.lock().expect("lock").insert(key, p.clone());
+    }
+    let client = fake_api(api.clone()).await;
+    let (addr, scorer) = start(Scorer::new(Config::default(), Some(client), None, None)).await;
+    (addr, scorer, api)
+}
+
+fn bind_args(pod: &str, node: &str) -> Value {
+    json!({"PodName": pod, "PodNamespace": "team-a", "PodUID": format!("uid-{pod}"), "Node": node})
+}
+
+#[tokio::test]
+async fn bind_records_the_gpu_then_creates_the_binding() {
+    // The fixture pod (5000 MiB) onto the fixture node "one-big" (one GPU, 6000 MiB free).
+    let nodes = fixture_json("nodes.json")["items"]
+        .as_array()
+        .expect("items")
+        .clone();
+    let (addr, _, api) = setup(&nodes, &[fixture_json("pod.json")]).await;
+    let (status, r) = post_json(addr, "/bind", &fixture_json("bind.json")).await;
+    assert_eq!(status, 200);
+    assert_eq!(r, json!({"Error": ""}));
+    let seen = api.seen();
+    let writes: Vec<&Seen> = seen.iter().filter(|s| s.method != "GET").collect();
+    assert_eq!(writes.len(), 2, "{seen:?}");
+    assert_eq!(writes[0].method, "PATCH");
+    assert_eq!(writes[0].path, "/api/v1/namespaces/team-a/pods/infer-0");
+    let ann = &writes[0].body["metadata"]["annotations"];
+    assert_eq!(ann["gpumem.io/assigned-gpus"], "GPU-big-0");
+    assert!(
+        ann["gpumem.io/assigned-at"]
+            .as_str()
+            .is_some_and(|t| t.ends_with('Z')),
+        "{ann}"
+    );
+    assert_eq!(writes[1].method, "POST");
+    assert_eq!(writes[1].path, "/api/v1/namespaces/team-a/pods/infer-0/binding");
+    assert_eq!(
+        writes[1].body["target"],
+        json!({"apiVersion": "v1", "kind": "Node", "name": "one-big"})
+    );
+    assert_eq!(writes[1].body["metadata"]["name"], "infer-0");
+}
+
+#[tokio::test]
+async fn bind_uses_the_policy_choice_of_gpu() {
+    // 4000 MiB: GPU 0 is idle (keep it whole), GPU 1 would keep 2384 MiB (room for a typical 2048 MiB
+    // pod), GPU 2 would strand 384 MiB. Fragmentation-aware choice: GPU 1, not plain best fit (GPU 2).
+    let node = node_json("n", &[g(16384, 0), g(16384, 10000), g(16384, 12000)]);
+    let pod = pod_json(
+        "p",
+        4000,
+        0,
+        json!({}),
+        json!({"gpumem.io/workload-class": "offline"}),
+    );
+    let (addr, _, api) = setup(&[node], &[pod]).await;
+    let (_, r) = post_json(addr, "/bind", &bind_args("p", "n")).await;
+    assert_eq!(r["Error"], "");
+    let patch = api
+        .seen()
+        .into_iter()
+        .find(|s| s.method == "PATCH")
+        .expect("patched");
+    assert_eq!(
+        patch.body["metadata"]["annotations"]["gpumem.io/assigned-gpus"],
+        uuid("n", 1)
+    );
+}
+
+#[tokio::test]
+async fn concurrent_binds_never_double_book_a_gpu() {
+    // GPU 0 has 6000 MiB free, GPU 1 only 2000: two 5000 MiB pods cannot both go to this node.
+    let node = node_json("n", &[g(16384, 10384), g(16384, 14384)]);
+    let pods = [
+        pod_json("p1", 5000, 0, json!({}), json!({})),
+        pod_json("p2", 5000, 0, json!({}), json!({})),
+    ];
+    let (addr, scorer, api) = setup(&[node], &pods).await;
+    // Slow PATCHes: both binds are in flight at once, neither visible in the node's annotation.
+    *api.patch_delay.lock().expect("lock") = Duration::from_millis(300);
+    let (args1, args2) = (bind_args("p1", "n"), bind_args("p2", "n"));
+    let (a, b) = tokio::join!(post_json(addr, "/bind", &args1), post_json(addr, "/bind", &args2));
+    let errors: Vec<String> = [a.1, b.1]
+        .iter()
+        .map(|r| r["Error"].as_str().expect("Error").to_string())
+        .collect();
+    let ok = errors.iter().filter(|e| e.is_empty()).count();
+    assert_eq!(ok, 1, "exactly one bind wins: {errors:?}");
+    let refused = errors.iter().find(|e| !e.is_empty()).expect("one refused");
+    assert!(
+        refused.contains("largest free GPU has 2000 MiB, pod needs 5000 MiB"),
+        "{refused}"
+    );
+    let bindings = api.seen().iter().filter(|s| s.method == "POST").count();
+    assert_eq!(bindings, 1, "the loser never creates a Binding");
+    assert_eq!(scorer.ledger.len(), 1);
+
+    // Filter sees the reservation too: the node no longer fits another 5000 MiB pod.
+    let p3 = pod_json("p3", 5000, 0, json!({}), json!({}));
+    let (_, r) = post_json(
+        addr,
+        "/filter",
+        &args_nodes(&p3, &[node_json("n", &[g(16384, 10384), g(16384, 14384)])]),
+    )
+    .await;
+    assert_eq!(r["Nodes"]["items"], json!([]), "{r}");
+}
+
+#[tokio::test]
+async fn a_failed_binding_releases_the_reservation() {
+    let node = node_json("n", &[g(16384, 10384)]);
+    let pods = [
+        pod_json("p1", 5000, 0, json!({}), json!({})),
+        pod_json("p2", 5000, 0, json!({}), json!({})),
+    ];
+    let (addr, scorer, api) = setup(&[node], &pods).await;
+    api.refuse_binding.lock().expect("lock").push("p1".into());
+    let (_, r) = post_json(addr, "/bind", &bind_args("p1", "n")).await;
+    assert!(
+        r["Error"]
+            .as_str()
+            .is_some_and(|e| e.contains("creating the binding")),
+        "{r}"
+    );
+    assert_eq!(scorer.ledger.len(), 0);
+    let (_, r) = post_json(addr, "/bind", &bind_args("p2", "n")).await;
+    assert_eq!(r["Error"], "", "the GPU is free again");
+}
+
+#[tokio::test]
+async fn bind_refuses_a_recreated_pod() {
+    let node = node_json("n", &[g(16384, 0)]);
+    let (addr, _, api) = setup(&[node], &[pod_json("p1", 5000, 0, json!({}), json!({}))]).await;
+    let mut args = bind_args("p1", "n");
+    args["PodUID"] = json!("some-older-uid");
+    let (_, r) = post_json(addr, "/bind", &args).await;
+    assert!(
+        r["Error"].as_str().is_some_and(|e| e.contains("recreated")),
+        "{r}"
+    );
+    assert!(api.seen().iter().all(|s| s.method == "GET"));
+}
+
+fn victim(name: &str, node: &str, gpu: usize, mib: u64, preemptible: bool, labels: Value) -> Value {
+    let mut p = pod_json(
+        name,
+        mib,
+        0,
+        json!({"gpumem.io/assigned-gpus": uuid(node, gpu)}),
+        labels,
+    );
+    if preemptible {
+        p["metadata"]["annotations"]["gpumem.io/preemptible"] = json!("true");
+    }
+    p["spec"]["nodeName"] = json!(node);
+    p["status"]["phase"] = json!("Running");
+    p
+}
+
+/// Node "n": GPU 0 holds a + c (4096 each, both preemptible, c guarded by a PDB with no disruptions
+/// left); GPU 1 holds b (preemptible) + d (not). Node "m": only a non-preemptible pod.
+fn preemption_world() -> (Vec<Value>, Vec<Value>, Value) {
+    let mut n_gpus = vec![g(8192, 8192), g(8192, 8192)];
+    n_gpus[0].pods = vec!["team-a/a".into(), "team-a/c".into()];
+    n_gpus[1].pods = vec!["team-a/b".into(), "team-a/d".into()];
+    let mut m_gpus = vec![g(8192, 8192)];
+    m_gpus[0].pods = vec!["team-a/e".into()];
+    let nodes = vec![node_json("n", &n_gpus), node_json("m", &m_gpus)];
+    let pods = vec![
+        victim("a", "n", 0, 4096, true, json!({})),
+        victim("b", "n", 1, 4096, true, json!({})),
+        victim("c", "n", 0, 4096, true, json!({"app": "guarded"})),
+        victim("d", "n", 1, 4096, false, json!({})),
+        victim("e", "m", 0, 8192, false, json!({})),
+    ];
+    let pdb = json!({"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
+        "metadata": {"name": "guard", "namespace": "team-a"},
+        "spec": {"minAvailable": 1, "selector": {"matchLabels": {"app": "guarded"}}},
+        "status": {"disruptionsAllowed": 0, "currentHealthy": 1, "desiredHealthy": 1, "expectedPods": 1,
+            "observedGeneration": 1}});
+    (nodes, pods, pdb)
+}
+
+fn check_victims(r: &Value) {
+    let n = &r["NodeNameToMetaVictims"]["n"];
+    assert_eq!(n["Pods"], json!([{"UID": "uid-a"}, {"UID": "uid-c"}]), "{r}");
+    assert_eq!(n["NumPDBViolations"], 1, "c is guarded by a PDB: {r}");
+    assert!(
+        r["NodeNameToMetaVictims"].get("m").is_none(),
+        "only a non-preemptible pod on m: {r}"
+    );
+}
+
+#[tokio::test]
+async fn preempt_keeps_only_victims_that_free_one_gpu() {
+    let (nodes, pods, pdb) = preemption_world();
+    let (addr, _, api) = setup(&nodes, &pods).await;
+    api.pdbs.lock().expect("lock").push(pdb);
+    let preemptor = pod_json("big", 5000, 0, json!({}), json!({}));
+    let args = json!({
+        "Pod": preemptor,
+        "NodeNameToVictims": {
+            "n": {"Pods": [pods[0], pods[1], pods[2], pods[3]], "NumPDBViolations": 1},
+            "m": {"Pods": [pods[4]], "NumPDBViolations": 0}
+        },
+        "NodeNameToMetaVictims": null
+    });
+    let (status, r) = post_json(addr, "/preempt", &args).await;
+    assert_eq!(status, 200, "{r}");
+    check_victims(&r);
+}
+
+#[tokio::test]
+async fn preempt_meta_victims_resolve_through_the_caches() {
+    let (nodes, pods, pdb) = preemption_world();
+    let api = Arc::new(FakeApi::default());
+    api.pdbs.lock().expect("lock").push(pdb);
+    let client = fake_api(api.clone()).await;
+    let node_objs: Vec<Node> = nodes
+        .iter()
+        .map(|n| serde_json::from_value(n.clone()).expect("node"))
+        .collect();
+    let pod_objs: Vec<Pod> = pods
+        .iter()
+        .map(|p| serde_json::from_value(p.clone()).expect("pod"))
+        .collect();
+    let scorer = Scorer::new(
+        Config::default(),
+        Some(client),
+        Some(NodeCache::from_nodes(node_objs)),
+        Some(PodCache::from_pods(pod_objs)),
+    );
+    let (addr, _) = start(scorer).await;
+    let uids = |names: &[&str]| {
+        names
+            .iter()
+            .map(|n| json!({"UID": format!("uid-{n}")}))
+            .collect::<Vec<_>>()
+    };
+    let args = json!({
+        "Pod": pod_json("big", 5000, 0, json!({}), json!({})),
+        "NodeNameToVictims": null,
+        "NodeNameToMetaVictims": {
+            "n": {"Pods": uids(&["a", "b", "c", "d"]), "NumPDBViolations": 1},
+            "m": {"Pods": uids(&["e"]), "NumPDBViolations": 0}
+        }
+    });
+    let (status, r) = post_json(addr, "/preempt", &args).await;
+    assert_eq!(status, 200, "{r}");
+    check_victims(&r);
+    assert!(
+        api.seen().iter().all(|s| !s.path.contains("/nodes/")),
+        "nodes come from the cache"
+    );
+}

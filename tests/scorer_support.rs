@@ -1,0 +1,369 @@
+//! Shared by the scorer tests: a raw HTTP/1.1 client (no HTTP library between the test and the
+//! server), node and pod builders in the shape kube-scheduler sends, and a fake Kubernetes API server.
+#![allow(dead_code)]
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use gpumem::scorer::{Config, Scorer, server};
+use http_body_util::{BodyExt, Full};
+use hyper::body::{Bytes, Incoming};
+use hyper::{Request, Response, StatusCode};
+use hyper_util::rt::TokioIo;
+use serde_json::{Value, json};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+pub fn fixture(name: &str) -> String {
+    let path = format!("{}/tests/fixtures/scorer/{name}", env!("CARGO_MANIFEST_DIR"));
+    std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path}: {e}"))
+}
+
+pub fn fixture_json(name: &str) -> Value {
+    serde_json::from_str(&fixture(name)).expect("fixture is JSON")
+}
+
+/// Starts a scorer on 127.0.0.1:0.
+pub async fn start(scorer: Scorer) -> (SocketAddr, Arc<Scorer>) {
+    let scorer = Arc::new(scorer);
+    let (addr, _task) = server::spawn(scorer.clone(), "127.0.0.1:0".parse().expect("addr"))
+        .await
+        .expect("bind loopback");
+    (addr, scorer)
+}
+
+pub async fn start_default() -> SocketAddr {
+    start(Scorer::new(Config::default(), None, None, None)).await.0
+}
+
+/// One keep-alive HTTP/1.1 connection.
+pub struct Conn {
+    stream: TcpStream,
+    buf: Vec<u8>,
+}
+
+impl Conn {
+    pub async fn open(addr: SocketAddr) -> Conn {
+        let stream = TcpStream::connect(addr).await.expect("connect");
+        stream.set_nodelay(true).expect("nodelay");
+        Conn {
+            stream,
+            buf: Vec::new(),
+        }
+    }
+
+    /// Sends a request; returns status and body.
+    pub async fn request(&mut self, method: &str, path: &str, body: &[u8]) -> (u16, String) {
+        let head = format!(
+            "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+            body.len()
+        );
+        self.stream.write_all(head.as_bytes()).await.expect("write head");
+        // The server may answer (413) and stop reading before the body is all sent.
+        let _ = self.stream.write_all(body).await;
+        self.read_response().await
+    }
+
+    /// Sends a chunked body (no Content-Length).
+    pub async fn request_chunked(&mut self, path: &str, body: &[u8]) -> (u16, String) {
+        let head = format!(
+            "POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+        );
+        self.stream.write_all(head.as_bytes()).await.expect("write head");
+        for chunk in body.chunks(16 * 1024) {
+            let mut msg = format!("{:x}\r\n", chunk.len()).into_bytes();
+            msg.extend_from_slice(chunk);
+            msg.extend_from_slice(b"\r\n");
+            if self.stream.write_all(&msg).await.is_err() {
+                break;
+            }
+        }
+        let _ = self.stream.write_all(b"0\r\n\r\n").await;
+        self.read_response().await
+    }
+
+    async fn read_response(&mut self) -> (u16, String) {
+        let header_end = loop {
+            if let Some(i) = find(&self.buf, b"\r\n\r\n") {
+                break i;
+            }
+            self.fill().await;
+        };
+        let head = String::from_utf8_lossy(&self.buf[..header_end]).to_string();
+        let status: u16 = head
+            .split(' ')
+            .nth(1)
+            .and_then(|s| s.parse().ok())
+            .expect("status line");
+        let length: usize = head
+            .lines()
+            .find_map(|l| {
+                let (k, v) = l.split_once(':')?;
+                k.eq_ignore_ascii_case("content-length")
+                    .then(|| v.trim().parse().ok())?
+            })
+            .expect("content-length");
+        let start = header_end + 4;
+        while self.buf.len() < start + length {
+            self.fill().await;
+        }
+        let body = String::from_utf8_lossy(&self.buf[start..start + length]).to_string();
+        self.buf.drain(..start + length);
+        (status, body)
+    }
+
+    async fn fill(&mut self) {
+        let mut chunk = [0u8; 64 * 1024];
+        let n = self.stream.read(&mut chunk).await.expect("read");
+        assert!(
+            n > 0,
+            "connection closed early; have {:?}",
+            String::from_utf8_lossy(&self.buf)
+        );
+        self.buf.extend_from_slice(&chunk[..n]);
+    }
+}
+
+fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
+    hay.windows(needle.len()).position(|w| w == needle)
+}
+
+pub async fn post(addr: SocketAddr, path: &str, body: &str) -> (u16, String) {
+    Conn::open(addr)
+        .await
+        .request("POST", path, body.as_bytes())
+        .await
+}
+
+pub async fn post_json(addr: SocketAddr, path: &str, body: &Value) -> (u16, Value) {
+    let (status, text) = post(addr, path, &body.to_string()).await;
+    let value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{status} {text}: {e}"));
+    (status, value)
+}
+
+/// One GPU of a test node.
+#[derive(Clone, Debug)]
+pub struct G {
+    pub memory: u64,
+    pub allocated: u64,
+    pub model: &'static str,
+    pub numa: u32,
+    pub switch: Option<u32>,
+    pub nvlink: Vec<(u32, u32)>,
+    pub pods: Vec<String>,
+    pub whole: bool,
+}
+
+pub fn g(memory: u64, allocated: u64) -> G {
+    G {
+        memory,
+        allocated,
+        model: "NVIDIA A100-SXM4-80GB",
+        numa: 0,
+        switch: None,
+        nvlink: Vec::new(),
+        pods: if allocated > 0 {
+            vec!["other/pod".into()]
+        } else {
+            Vec::new()
+        },
+        whole: false,
+    }
+}
+
+pub fn uuid(node: &str, i: usize) -> String {
+    format!("GPU-{node}-{i}")
+}
+
+/// A Node as kube-scheduler sends it (labels, the agent's annotations, allocatable, status noise).
+pub fn node_json(name: &str, gpus: &[G]) -> Value {
+    let topology = json!({"version": 1, "memUnitMiB": 1, "gpus": gpus.iter().enumerate().map(|(i, g)| json!({
+        "index": i, "uuid": uuid(name, i), "model": g.model, "memoryMiB": g.memory, "numaNode": g.numa,
+        "pcieSwitch": g.switch, "nvlinkPeers": g.nvlink.iter().map(|(p, l)| json!({"index": p, "links": l})).collect::<Vec<_>>(),
+        "health": "Healthy"})).collect::<Vec<_>>()});
+    let usage = json!({"version": 1, "gpus": gpus.iter().enumerate().map(|(i, g)| json!({
+        "index": i, "allocatedMiB": if g.whole { g.memory } else { g.allocated },
+        "mode": if g.whole { "whole" } else if g.allocated == 0 { "free" } else { "shared" },
+        "pods": g.pods})).collect::<Vec<_>>()});
+    json!({
+        "metadata": {"name": name, "uid": format!("uid-{name}"), "resourceVersion": "1",
+            "labels": {"kubernetes.io/hostname": name, "gpumem.io/mem-unit-mib": "1"},
+            "annotations": {"gpumem.io/gpu-topology": topology.to_string(), "gpumem.io/gpu-usage": usage.to_string()}},
+        "spec": {"podCIDR": "10.244.0.0/24"},
+        "status": {"allocatable": {"cpu": "64", "memory": "512Gi", "pods": "110"},
+            "capacity": {"cpu": "64", "memory": "512Gi", "pods": "110"},
+            "conditions": [{"type": "Ready", "status": "True"}]}
+    })
+}
+
+/// A pending pod asking for `gpu_mem` MiB (or `whole` GPUs).
+pub fn pod_json(name: &str, gpu_mem: u64, whole: u64, annotations: Value, labels: Value) -> Value {
+    let mut limits = serde_json::Map::new();
+    if gpu_mem > 0 {
+        limits.insert("nvidia.com/gpu-mem".into(), json!(gpu_mem.to_string()));
+    }
+    if whole > 0 {
+        limits.insert("nvidia.com/gpu".into(), json!(whole.to_string()));
+    }
+    json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": name, "namespace": "team-a", "uid": format!("uid-{name}"),
+            "annotations": annotations, "labels": labels},
+        "spec": {"containers": [{"name": "c", "image": "x", "resources": {"limits": limits,
+            "requests": {"cpu": "1", "memory": "1Gi"}}}], "schedulerName": "default-scheduler", "priority": 0},
+        "status": {"phase": "Pending"}
+    })
+}
+
+/// `ExtenderArgs` in the Nodes form.
+pub fn args_nodes(pod: &Value, nodes: &[Value]) -> Value {
+    json!({"Pod": pod, "Nodes": {"metadata": {}, "items": nodes}, "NodeNames": null})
+}
+
+/// What the fake API server saw.
+#[derive(Debug, Clone)]
+pub struct Seen {
+    pub method: String,
+    pub path: String,
+    pub body: Value,
+}
+
+/// A fake Kubernetes API server: pods and nodes to GET, PATCH of pods (merge), POST of bindings,
+/// PodDisruptionBudget lists; it records every request.
+#[derive(Default)]
+pub struct FakeApi {
+    pub pods: Mutex<BTreeMap<String, Value>>,
+    pub nodes: Mutex<BTreeMap<String, Value>>,
+    pub pdbs: Mutex<Vec<Value>>,
+    pub seen: Mutex<Vec<Seen>>,
+    /// Delay before answering a PATCH (to make binds overlap).
+    pub patch_delay: Mutex<Duration>,
+    /// Pods whose binding POST fails with 409.
+    pub refuse_binding: Mutex<Vec<String>>,
+}
+
+impl FakeApi {
+    pub fn seen(&self) -> Vec<Seen> {
+        self.seen.lock().expect("lock").clone()
+    }
+
+    async fn answer(&self, req: Request<Incoming>) -> Response<Full<Bytes>> {
+        let method = req.method().to_string();
+        let path = req.uri().path().to_string();
+        let bytes = req
+            .into_body()
+            .collect()
+            .await
+            .map(|b| b.to_bytes())
+            .unwrap_or_default();
+        let body: Value = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
+        self.seen.lock().expect("lock").push(Seen {
+            method: method.clone(),
+            path: path.clone(),
+            body: body.clone(),
+        });
+        let parts: Vec<&str> = path.trim_matches('/').split('/').collect();
+        let reply = |status: u16, v: Value| {
+            let mut r = Response::new(Full::new(Bytes::from(v.to_string())));
+            *r.status_mut() = StatusCode::from_u16(status).expect("status");
+            r.headers_mut()
+                .insert("content-type", "application/json".parse().expect("header"));
+            r
+        };
+        let not_found = || {
+            reply(
+                404,
+                json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
+                "reason": "NotFound", "code": 404, "message": format!("{path} not found")}),
+            )
+        };
+        match (method.as_str(), parts.as_slice()) {
+            ("GET", ["api", "v1", "nodes", name]) => match self.nodes.lock().expect("lock").get(*name) {
+                Some(n) => reply(200, n.clone()),
+                None => not_found(),
+            },
+            ("GET", ["api", "v1", "namespaces", ns, "pods", name]) => {
+                match self.pods.lock().expect("lock").get(&format!("{ns}/{name}")) {
+                    Some(p) => reply(200, p.clone()),
+                    None => not_found(),
+                }
+            }
+            ("PATCH", ["api", "v1", "namespaces", ns, "pods", name]) => {
+                let delay = *self.patch_delay.lock().expect("lock");
+                tokio::time::sleep(delay).await;
+                let mut pods = self.pods.lock().expect("lock");
+                let Some(pod) = pods.get_mut(&format!("{ns}/{name}")) else {
+                    return not_found();
+                };
+                if let Some(ann) = body.pointer("/metadata/annotations").and_then(Value::as_object) {
+                    for (k, v) in ann {
+                        pod["metadata"]["annotations"][k] = v.clone();
+                    }
+                }
+                reply(200, pod.clone())
+            }
+            ("POST", ["api", "v1", "namespaces", _ns, "pods", name, "binding"]) => {
+                if self
+                    .refuse_binding
+                    .lock()
+                    .expect("lock")
+                    .iter()
+                    .any(|p| p == name)
+                {
+                    return reply(
+                        409,
+                        json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
+                        "reason": "Conflict", "code": 409, "message": "pod is already assigned"}),
+                    );
+                }
+                reply(
+                    201,
+                    json!({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success", "code": 201}),
+                )
+            }
+            ("GET", ["apis", "policy", "v1", "namespaces", ns, "poddisruptionbudgets"]) => {
+                let items: Vec<Value> = self
+                    .pdbs
+                    .lock()
+                    .expect("lock")
+                    .iter()
+                    .filter(|p| p["metadata"]["namespace"] == *ns)
+                    .cloned()
+                    .collect();
+                reply(
+                    200,
+                    json!({"kind": "PodDisruptionBudgetList", "apiVersion": "policy/v1",
+                    "metadata": {"resourceVersion": "1"}, "items": items}),
+                )
+            }
+            _ => not_found(),
+        }
+    }
+}
+
+/// Starts the fake API on 127.0.0.1:0 and returns a kube client for it.
+pub async fn fake_api(api: Arc<FakeApi>) -> kube::Client {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind loopback");
+    let addr = listener.local_addr().expect("addr");
+    tokio::spawn(async move {
+        loop {
+            let Ok((stream, _)) = listener.accept().await else {
+                return;
+            };
+            let api = api.clone();
+            tokio::spawn(async move {
+                let service = hyper::service::service_fn(move |req| {
+                    let api = api.clone();
+                    async move { Ok::<_, std::convert::Infallible>(api.answer(req).await) }
+                });
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(TokioIo::new(stream), service)
+                    .await;
+            });
+        }
+    });
+    let url = format!("http://{addr}").parse().expect("url");
+    kube::Client::try_from(kube::Config::new(url)).expect("client")
+}
