@@ -597,7 +597,10 @@ async fn the_node_shows_its_gpus_and_their_use_through_outages() {
         })
         .await;
     assert_eq!(shown.gpus[1].mode, gpumem::node::GpuMode::Shared);
-    assert!(api.failures_left() < 3, "writes were refused during the outage, and the Node caught up after it");
+    assert!(
+        api.failures_left() < 3,
+        "writes were refused during the outage, and the Node caught up after it"
+    );
     // Only its own Node, only labels and annotations.
     for applied in api.node_applies("node-a") {
         let metadata = applied.body["metadata"].as_object().unwrap();
@@ -651,4 +654,85 @@ async fn a_unit_too_small_for_the_kubelet_is_reported_on_the_node() {
     assert_eq!(event["regarding"]["name"], "node-a");
     let note = event["note"].as_str().unwrap();
     assert!(note.contains("--mem-unit-mib 5"), "{note}");
+}
+
+/// GET `path` from `127.0.0.1:port` over plain HTTP/1.1; the body, once the server answers.
+async fn http_get(port: u16, path: &str) -> Option<String> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port)).await.ok()?;
+    let request = format!("GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n");
+    stream.write_all(request.as_bytes()).await.ok()?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response).await.ok()?;
+    response.split_once("\r\n\r\n").map(|(_, body)| body.to_string())
+}
+
+fn metric(text: &str, series: &str) -> Option<f64> {
+    text.lines()
+        .find(|l| l.starts_with(series))
+        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prometheus_metrics_show_memory_health_xids_and_latency() {
+    let mut node = Node::new().await;
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let listen = format!("127.0.0.1:{port}");
+    let _agent = node.agent("t4x4", &["--mem-unit-mib", "1024", "--metrics-listen", &listen]);
+    node.kubelet.wait_registered(MEM, WAIT).await;
+    node.kubelet.allocate(MEM, &refs(&units(1, 0..2))).await.unwrap();
+    node.kubelet.allocate(MEM, &["9-9"]).await.unwrap_err();
+    node.inject.set_memory_used(1, 1500);
+    node.inject.push_xid(3, 79);
+    node.kubelet
+        .wait_devices(GPU, WAIT, |d| {
+            d.iter().any(|x| x.health == "Unhealthy" && x.id != d[1].id)
+        })
+        .await;
+
+    assert_eq!(http_get(port, "/healthz").await.as_deref(), Some("ok\n"));
+    let text = http_get(port, "/metrics").await.expect("metrics answer");
+    let gib = 1024.0 * 1024.0 * 1024.0;
+    assert_eq!(
+        metric(&text, "gpumem_gpu_memory_total_bytes{gpu=\"0\""),
+        Some(15.0 * gib)
+    );
+    assert_eq!(
+        metric(&text, "gpumem_gpu_memory_allocated_bytes{gpu=\"1\""),
+        Some(2.0 * gib)
+    );
+    let nvml_used = format!(
+        "gpumem_gpu_memory_used_bytes{{gpu=\"1\",uuid=\"{}\",source=\"nvml\"}}",
+        node.kubelet.devices(GPU)[1].id
+    );
+    assert_eq!(
+        metric(&text, &nvml_used),
+        Some(1500.0 * 1024.0 * 1024.0),
+        "{text}"
+    );
+    assert_eq!(metric(&text, "gpumem_gpu_healthy{gpu=\"3\""), Some(0.0), "{text}");
+    assert_eq!(metric(&text, "gpumem_gpu_healthy{gpu=\"0\""), Some(1.0));
+    assert_eq!(
+        metric(&text, "gpumem_gpu_xid_errors_total{gpu=\"3\",xid=\"79\"}"),
+        Some(1.0),
+        "{text}"
+    );
+    assert_eq!(
+        metric(&text, "gpumem_plugin_registered{resource=\"nvidia.com/gpu-mem\"}"),
+        Some(1.0)
+    );
+    let allocs =
+        "gpumem_plugin_request_duration_seconds_count{resource=\"nvidia.com/gpu-mem\",method=\"Allocate\"}";
+    assert!(metric(&text, allocs).is_some_and(|n| n >= 1.0), "{text}");
+    let refused =
+        "gpumem_plugin_allocation_failures_total{resource=\"nvidia.com/gpu-mem\",reason=\"invalid\"}";
+    assert_eq!(metric(&text, refused), Some(1.0), "{text}");
+    assert!(
+        metric(&text, "gpumem_gpu_temperature_celsius{gpu=\"0\"}").is_some(),
+        "{text}"
+    );
 }

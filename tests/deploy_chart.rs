@@ -17,10 +17,6 @@ use serde_json::{Value as Json, json};
 
 use deploy_support::*;
 
-/// Flags the chart passes that the agent does not take yet; remove one when the agent learns it.
-/// `--metrics-listen ADDR`: the agent's /metrics endpoint (issue 7, item 3).
-const PENDING_AGENT_FLAGS: &[&str] = &["--metrics-listen"];
-
 /// Non-default values touching every switch of the chart.
 fn custom_values() -> Json {
     json!({
@@ -433,19 +429,17 @@ fn the_agent_accepts_the_daemonsets_flags() {
         let args = container(pod_spec(&ds), "agent").args.clone().unwrap();
         assert_eq!(args[0], "agent");
         let mut argv = vec!["gpumem-agent".to_string()];
-        for a in &args[1..] {
-            if !PENDING_AGENT_FLAGS
-                .iter()
-                .any(|p| a == p || a.starts_with(&format!("{p}=")))
-            {
-                argv.push(a.clone());
-            }
-        }
+        argv.extend(args[1..].iter().cloned());
         let cmd = AgentArgs::augment_args(clap::Command::new("gpumem-agent"));
         let matches = cmd
             .try_get_matches_from(&argv)
             .unwrap_or_else(|e| panic!("{argv:?}: {e}"));
         let parsed = AgentArgs::from_arg_matches(&matches).unwrap();
+        let metrics_port = values["agent"]["metrics"]["port"].as_u64().unwrap_or(9400);
+        assert_eq!(
+            parsed.metrics_listen.map(|a| u64::from(a.port())),
+            Some(metrics_port)
+        );
         assert_eq!(
             parsed.config.as_deref(),
             Some(Path::new("/etc/gpumem/agent.yaml"))

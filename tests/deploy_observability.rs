@@ -251,3 +251,15 @@ fn the_metric_name_check_can_fail() {
     );
     assert!(std::panic::catch_unwind(|| check_names("DCGM_FI_DEV_FB_USED", "foreign")).is_err());
 }
+
+#[test]
+fn the_agent_metrics_the_deployment_uses_are_the_ones_the_agent_exports() {
+    let used: std::collections::BTreeSet<&str> = METRICS
+        .iter()
+        .map(|&(name, _)| name)
+        .filter(|n| n.starts_with("gpumem_gpu_") || n.starts_with("gpumem_plugin_"))
+        .collect();
+    let exported: std::collections::BTreeSet<&str> =
+        gpumem::agent::metrics::EXPORTED.iter().copied().collect();
+    assert_eq!(used, exported);
+}

@@ -58,6 +58,8 @@ pub struct Config {
     pub memory_limits: MemoryLimits,
     /// This node's name: with it the agent publishes labels and annotations on its Node.
     pub node_name: Option<String>,
+    /// Where `/metrics` and `/healthz` are served; None: not served.
+    pub metrics_listen: Option<std::net::SocketAddr>,
     /// Host directory of the agent's own files (preload file, per-container accounting).
     pub state_dir: PathBuf,
     /// Host path of libgpumem_cuda.so.
@@ -81,6 +83,7 @@ impl Default for Config {
             nvml_lib: None,
             memory_limits: MemoryLimits::Enforce,
             node_name: None,
+            metrics_listen: None,
             state_dir: "/var/lib/gpumem".into(),
             shim_path: "/var/lib/gpumem/lib/libgpumem_cuda.so".into(),
         }
@@ -156,6 +159,9 @@ pub struct AgentArgs {
     /// talk to the API server: no labels, annotations or events on the Node.
     #[arg(long, env = "NODE_NAME", value_name = "NAME")]
     pub node_name: Option<String>,
+    /// Serve Prometheus `/metrics` and `/healthz` on this address (e.g. 0.0.0.0:9400).
+    #[arg(long, value_name = "ADDR")]
+    pub metrics_listen: Option<std::net::SocketAddr>,
     /// Hold gpu-mem containers to their limit with libgpumem_cuda.so [default: enforce].
     #[arg(long, value_enum)]
     pub memory_limits: Option<MemoryLimits>,
@@ -190,6 +196,9 @@ impl Config {
             args.health_probe_interval.map(Duration::from_secs),
         );
         set(&mut config.memory_limits, args.memory_limits);
+        if args.metrics_listen.is_some() {
+            config.metrics_listen = args.metrics_listen;
+        }
         if args.node_name.is_some() {
             config.node_name = args.node_name.clone();
         }

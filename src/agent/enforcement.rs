@@ -60,6 +60,11 @@ impl Enforcement {
         format!("g{gpu_index}-u{}", units.iter().min().copied().unwrap_or(0))
     }
 
+    /// The GPU index an allocation name carries.
+    pub fn gpu_index_of(allocation: &str) -> Option<u32> {
+        allocation.strip_prefix('g')?.split_once("-u")?.0.parse().ok()
+    }
+
     /// Mounts and environment for a new container's allocation; starts its accounting afresh.
     pub fn container(&self, allocation: &str) -> anyhow::Result<(Vec<Mount>, HashMap<String, String>)> {
         let dir = self.containers.join(allocation);
@@ -140,6 +145,8 @@ mod tests {
 
         let name = Enforcement::allocation_name(2, &[7, 5, 9]);
         assert_eq!(name, "g2-u5");
+        assert_eq!(Enforcement::gpu_index_of(&name), Some(2));
+        assert_eq!(Enforcement::gpu_index_of("stray"), None);
         let (mounts, envs) = enforcement.container(&name).unwrap();
         assert_eq!(mounts.len(), 3);
         assert!(mounts[0].read_only && mounts[1].read_only && !mounts[2].read_only);

@@ -6,10 +6,16 @@ use std::time::Duration;
 
 use crate::gpu::{GpuEvent, NvmlSource};
 
+use super::metrics::AgentMetrics;
 use super::state::NodeState;
 
 /// Starts the XID watch and the probe, each on its own thread (NVML calls block).
-pub fn spawn(nvml: Arc<NvmlSource>, state: Arc<NodeState>, probe_interval: Duration) -> anyhow::Result<()> {
+pub fn spawn(
+    nvml: Arc<NvmlSource>,
+    state: Arc<NodeState>,
+    metrics: Arc<AgentMetrics>,
+    probe_interval: Duration,
+) -> anyhow::Result<()> {
     let events = nvml.health_events()?;
     let position = {
         let state = Arc::clone(&state);
@@ -21,10 +27,13 @@ pub fn spawn(nvml: Arc<NvmlSource>, state: Arc<NodeState>, probe_interval: Durat
         .spawn(move || {
             loop {
                 match events.next(Duration::from_secs(1)) {
-                    Ok(Some(GpuEvent::Xid { index, xid, .. })) => match position(index) {
-                        Some(a) => watcher_state.record_xid(a, xid),
-                        None => tracing::warn!(index, xid, "XID on a GPU this agent does not serve"),
-                    },
+                    Ok(Some(GpuEvent::Xid { index, xid, .. })) => {
+                        metrics.xid(index, xid);
+                        match position(index) {
+                            Some(a) => watcher_state.record_xid(a, xid),
+                            None => tracing::warn!(index, xid, "XID on a GPU this agent does not serve"),
+                        }
+                    }
                     Ok(Some(GpuEvent::Lost { index: Some(index) })) => {
                         if let Some(a) = position(index) {
                             watcher_state.record_lost(a);

@@ -6,6 +6,7 @@ pub mod cluster;
 pub mod config;
 pub mod enforcement;
 mod health;
+pub mod metrics;
 pub mod state;
 
 use std::sync::Arc;
@@ -77,8 +78,14 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         tracing::warn!(error = %err, "starting without the kubelet's allocations; will keep asking");
     }
     tokio::spawn(Arc::clone(&pod_resources).poll(config.pod_resources_poll));
-    if let Some(nvml) = nvml {
-        health::spawn(nvml, Arc::clone(&state), config.health_probe_interval)?;
+    let metrics = Arc::new(metrics::AgentMetrics::new());
+    if let Some(nvml) = &nvml {
+        health::spawn(
+            Arc::clone(nvml),
+            Arc::clone(&state),
+            Arc::clone(&metrics),
+            config.health_probe_interval,
+        )?;
     }
 
     let enforcement = match config.memory_limits {
@@ -116,6 +123,21 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         }
     };
 
+    if let Some(addr) = config.metrics_listen {
+        let scrape = metrics::Scrape {
+            metrics: Arc::clone(&metrics),
+            state: Arc::clone(&state),
+            nvml: nvml.clone(),
+            enforcement: enforcement.clone(),
+        };
+        let server = metrics::serve(addr, Arc::new(scrape));
+        tokio::spawn(async move {
+            if let Err(err) = server.await {
+                tracing::error!(error = %err, "metrics server stopped");
+            }
+        });
+    }
+
     let (shutdown_tx, shutdown_rx) = watch::channel(false);
     let mut plugins = JoinSet::new();
     let plugin = |kind| Plugin {
@@ -125,6 +147,7 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         strategy: config.device_list_strategy,
         enforcement: enforcement.clone(),
         cluster: cluster.clone(),
+        metrics: Arc::clone(&metrics),
     };
     plugins.spawn(registration::run(
         plugin(ResourceKind::Whole),

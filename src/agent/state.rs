@@ -644,7 +644,7 @@ impl NodeState {
     }
 
     /// Position in the inventory of the GPU with NVML index `index`.
-    fn position(&self, index: u32) -> Option<usize> {
+    pub fn position(&self, index: u32) -> Option<usize> {
         self.position_of_index.get(index as usize).copied().flatten()
     }
 

@@ -7,7 +7,7 @@ use std::sync::mpsc;
 use std::time::Duration;
 
 use nvml_wrapper::bitmasks::event::EventTypes;
-use nvml_wrapper::enum_wrappers::device::TopologyLevel as NvmlLevel;
+use nvml_wrapper::enum_wrappers::device::{TemperatureSensor, TopologyLevel as NvmlLevel};
 use nvml_wrapper::enums::event::XidError;
 use nvml_wrapper::error::NvmlError;
 use nvml_wrapper::{Device, Nvml};
@@ -79,6 +79,21 @@ impl NvmlSource {
         Ok(info.used / (1024 * 1024))
     }
 
+    /// What a GPU is doing now: memory in use, utilization, temperature, power. A reading the GPU
+    /// does not support is None; a GPU that stopped answering is an error.
+    pub fn telemetry(&self, index: u32) -> Result<Telemetry, GpuError> {
+        let device = self.device(index)?;
+        let memory = device
+            .memory_info()
+            .map_err(|e| nvml_error("nvmlDeviceGetMemoryInfo_v2", Some(index), e))?;
+        Ok(Telemetry {
+            memory_used_bytes: memory.used,
+            utilization_ratio: device.utilization_rates().ok().map(|u| f64::from(u.gpu) / 100.0),
+            temperature_celsius: device.temperature(TemperatureSensor::Gpu).ok(),
+            power_watts: device.power_usage().ok().map(|mw| f64::from(mw) / 1000.0),
+        })
+    }
+
     /// Starts watching for critical XID events on every GPU. Events arrive on the returned channel
     /// from a background thread until the [`HealthEvents`] is dropped.
     pub fn health_events(&self) -> Result<HealthEvents, GpuError> {
@@ -106,6 +121,15 @@ impl NvmlSource {
             }),
         }
     }
+}
+
+/// One reading of a GPU's activity.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Telemetry {
+    pub memory_used_bytes: u64,
+    pub utilization_ratio: Option<f64>,
+    pub temperature_celsius: Option<u32>,
+    pub power_watts: Option<f64>,
 }
 
 /// Something that happened to a GPU's health.

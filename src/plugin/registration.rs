@@ -66,6 +66,7 @@ pub async fn run(
             match register(&kubelet, &socket_name, &resource).await {
                 Ok(()) => {
                     kubelet_inode = inode(&kubelet);
+                    plugin.metrics.set_registered(&resource, true);
                     tracing::info!(%resource, "registered with the kubelet");
                 }
                 Err(err) => {
@@ -94,6 +95,7 @@ pub async fn run(
             }
         }
         // Dropping the server closes every connection, which ends the ListAndWatch streams.
+        plugin.metrics.set_registered(&resource, false);
         server.abort();
         let _ = server.await;
         if *shutdown.borrow() {

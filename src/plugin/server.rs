@@ -21,6 +21,7 @@ use super::proto::v1beta1::{
 use crate::agent::cluster::Cluster;
 use crate::agent::config::DeviceListStrategy;
 use crate::agent::enforcement::Enforcement;
+use crate::agent::metrics::AgentMetrics;
 use crate::agent::state::{NodeState, RequestError};
 
 /// Which of the two resources a plugin instance serves.
@@ -48,6 +49,7 @@ pub struct Plugin {
     pub enforcement: Option<Arc<Enforcement>>,
     /// Present when the agent talks to the API server (to honour the scorer's GPU choice).
     pub cluster: Option<Arc<Cluster>>,
+    pub metrics: Arc<AgentMetrics>,
 }
 
 /// Environment variable telling the container runtime (and CUDA) which GPUs the container sees.
@@ -131,6 +133,18 @@ impl Plugin {
     }
 }
 
+impl Plugin {
+    /// Records a refused request and turns it into the gRPC status the kubelet shows the user.
+    fn refuse(&self, err: RequestError) -> Status {
+        let reason = match err {
+            RequestError::Invalid(_) => "invalid",
+            RequestError::Unavailable(_) => "unavailable",
+        };
+        self.metrics.refused(self.resource(), reason);
+        status(err)
+    }
+}
+
 fn status(err: RequestError) -> Status {
     match err {
         RequestError::Invalid(message) => Status::invalid_argument(message),
@@ -195,6 +209,7 @@ impl DevicePlugin for Plugin {
         &self,
         request: Request<PreferredAllocationRequest>,
     ) -> Result<Response<PreferredAllocationResponse>, Status> {
+        let started = std::time::Instant::now();
         self.refresher.refresh().await;
         let mut container_responses = Vec::new();
         for req in request.into_inner().container_requests {
@@ -220,9 +235,12 @@ impl DevicePlugin for Plugin {
                         .prefer_mem(available, must, size, scorer_choice.as_deref())
                 }
             }
-            .map_err(status)?;
+            .map_err(|e| self.refuse(e))?;
             container_responses.push(ContainerPreferredAllocationResponse { device_i_ds: ids });
         }
+        let seconds = started.elapsed().as_secs_f64();
+        self.metrics
+            .observe_request(self.resource(), "GetPreferredAllocation", seconds);
         Ok(Response::new(PreferredAllocationResponse { container_responses }))
     }
 
@@ -230,15 +248,18 @@ impl DevicePlugin for Plugin {
         &self,
         request: Request<AllocateRequest>,
     ) -> Result<Response<AllocateResponse>, Status> {
+        let started = std::time::Instant::now();
         self.refresher.refresh().await;
         let mut container_responses = Vec::new();
         for req in request.into_inner().container_requests {
             let response = self.allocate_one(&req.devices_ids).map_err(|e| {
                 tracing::warn!(resource = self.resource(), error = %e, "Allocate refused");
-                status(e)
+                self.refuse(e)
             })?;
             container_responses.push(response);
         }
+        self.metrics
+            .observe_request(self.resource(), "Allocate", started.elapsed().as_secs_f64());
         Ok(Response::new(AllocateResponse { container_responses }))
     }
 
