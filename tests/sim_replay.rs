@@ -253,3 +253,29 @@ fn openb_trace_loads_when_present() {
     assert_eq!(trace.cluster.gpu_count(), 6212);
     assert_eq!(trace.pods.len(), 8152);
 }
+
+#[test]
+fn gpumem_with_its_knobs_off_replays_exactly_like_fgd() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (nodes, pods) = synthetic(dir.path());
+    let trace = Trace::load(&nodes, &pods).expect("load");
+    let mix = TypicalMix::from_requests(&trace.pods, 0.95);
+    for seed in [3u64, 4] {
+        let fgd = replay::replay(&trace, "FGD", seed, 1.3, &mix, false, |_| {}).expect("replay");
+        let off =
+            replay::replay(&trace, "gpumem:ft=0:rv=0:sc=0", seed, 1.3, &mix, false, |_| {}).expect("replay");
+        assert_eq!((fgd.failed, fgd.allocated), (off.failed, off.allocated));
+        for p in 0..=130 {
+            assert_eq!(fgd.curve.at(p), off.curve.at(p), "seed {seed} at {p}%");
+        }
+    }
+}
+
+#[test]
+fn policy_list_takes_gpumem_variants_and_refuses_bad_ones() {
+    use gpumem::sim::policy_list;
+    let ok = policy_list(&["fgd".into(), "gpumem:rv=0:sc=5".into(), "gpumem".into()]).expect("valid");
+    assert_eq!(ok, vec!["FGD", "gpumem:rv=0:sc=5", "gpumem"]);
+    assert!(policy_list(&["gpumem:nope=1".into()]).is_err());
+    assert!(policy_list(&["Tetris".into()]).is_err());
+}

@@ -72,14 +72,27 @@ pub struct SimulateArgs {
     pub quiet: bool,
 }
 
-/// Resolves the policy list (canonical names, in the standard order when defaulted).
+/// Resolves the policy list (canonical names, in the standard order when defaulted). A gpumem variant
+/// `gpumem:<spec>` (see `alloc::gpumem::Options::parse`) is kept as written.
 pub fn policy_list(requested: &[String]) -> Result<Vec<&'static str>> {
     if requested.is_empty() {
         return Ok(POLICY_NAMES.to_vec());
     }
     let mut out = Vec::new();
     for r in requested {
-        let Some(p) = canonical_policy_name(r.trim()) else {
+        let r = r.trim();
+        if let Some(spec) = r.strip_prefix("gpumem:") {
+            if crate::alloc::gpumem::Options::parse(spec).is_none() {
+                bail!("bad gpumem variant {r:?} (keys: see `gpumem::Options::parse`)");
+            }
+            // A few bytes per distinct variant, for the life of the command.
+            let name: &'static str = Box::leak(r.to_string().into_boxed_str());
+            if !out.contains(&name) {
+                out.push(name);
+            }
+            continue;
+        }
+        let Some(p) = canonical_policy_name(r) else {
             bail!("unknown policy {r:?}; known: {}", POLICY_NAMES.join(", "));
         };
         if !out.contains(&p) {
