@@ -736,3 +736,26 @@ async fn prometheus_metrics_show_memory_health_xids_and_latency() {
         "{text}"
     );
 }
+
+/// Measurement, not a check of speed: the agent's resident memory once both device lists of the
+/// largest node (8 x 80 GB at 5 MiB, 131,072 units) are with the kubelet.
+/// `cargo nextest run --test agent --run-ignored ignored-only --no-capture rss`
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "a measurement; run on demand"]
+async fn rss_at_idle_on_the_largest_node() {
+    let node = Node::new().await;
+    let agent = node.agent("dgx-a100", &["--mem-unit-mib", "5"]);
+    node.kubelet.wait_devices(MEM, WAIT, |d| d.len() == 131_072).await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let status = std::fs::read_to_string(format!("/proc/{}/status", agent.child.id())).unwrap();
+    let rss_kb: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .expect("VmRSS in /proc/PID/status");
+    eprintln!(
+        "agent RSS at idle, dgx-a100 at 5 MiB with both lists sent: {} MiB",
+        rss_kb / 1024
+    );
+    assert!(rss_kb > 1024, "a running agent has some resident memory");
+}

@@ -225,20 +225,32 @@ impl NodeState {
 
     /// `nvidia.com/gpu`: a GPU with any memory units in use is not allocatable whole.
     pub fn gpu_devices(&self) -> Vec<Device> {
-        let inner = self.lock();
-        let occ = Self::occupancy(&inner);
-        devices::gpu_devices(&self.inventory, |a| {
-            inner.health[a] == Health::Healthy && !occ[a].shared()
-        })
+        let offered = self.gpus_offered();
+        devices::gpu_devices(&self.inventory, |a| offered[a])
     }
 
     /// `nvidia.com/gpu-mem`: a GPU allocated whole offers no memory units.
     pub fn mem_devices(&self) -> Vec<Device> {
+        let offered = self.units_offered();
+        devices::mem_devices(&self.inventory, self.unit_mib, |a| offered[a])
+    }
+
+    /// Per GPU, whether its whole-GPU device is Healthy: all the `nvidia.com/gpu` list depends on.
+    pub fn gpus_offered(&self) -> Vec<bool> {
         let inner = self.lock();
         let occ = Self::occupancy(&inner);
-        devices::mem_devices(&self.inventory, self.unit_mib, |a| {
-            inner.health[a] == Health::Healthy && !occ[a].whole
-        })
+        (0..occ.len())
+            .map(|a| inner.health[a] == Health::Healthy && !occ[a].shared())
+            .collect()
+    }
+
+    /// Per GPU, whether its memory units are Healthy: all the `nvidia.com/gpu-mem` list depends on.
+    pub fn units_offered(&self) -> Vec<bool> {
+        let inner = self.lock();
+        let occ = Self::occupancy(&inner);
+        (0..occ.len())
+            .map(|a| inner.health[a] == Health::Healthy && !occ[a].whole)
+            .collect()
     }
 
     /// Per-GPU usage, as the agent publishes it.

@@ -74,6 +74,15 @@ impl Plugin {
         }
     }
 
+    /// What the device list is a function of: per GPU, offered or not. Comparing this instead of
+    /// the list itself keeps 131,072 devices out of memory between changes.
+    fn offered(&self) -> Vec<bool> {
+        match self.kind {
+            ResourceKind::Whole => self.state.gpus_offered(),
+            ResourceKind::Memory => self.state.units_offered(),
+        }
+    }
+
     /// Tells the container which GPUs it has, the way the configured strategy says.
     fn expose(&self, response: &mut ContainerAllocateResponse, uuids: &[String]) {
         match self.strategy {
@@ -173,11 +182,13 @@ impl DevicePlugin for Plugin {
         let plugin = self.clone();
         let mut changes = self.state.subscribe();
         tokio::spawn(async move {
-            let mut last_sent: Option<Vec<Device>> = None;
+            let mut last_sent: Option<Vec<bool>> = None;
             loop {
-                let devices = plugin.devices();
-                if last_sent.as_ref() != Some(&devices) {
-                    let response = ListAndWatchResponse { devices };
+                let offered = plugin.offered();
+                if last_sent.as_ref() != Some(&offered) {
+                    let response = ListAndWatchResponse {
+                        devices: plugin.devices(),
+                    };
                     let bytes = response.encoded_len();
                     if bytes > KUBELET_MAX_RECV_BYTES {
                         // The kubelet would drop the stream; the agent checked the unit at start, so
@@ -188,13 +199,12 @@ impl DevicePlugin for Plugin {
                             "device list exceeds the kubelet's limit; not sent"
                         );
                     } else {
-                        let devices = response.devices.clone();
                         if tx.send(Ok(response)).await.is_err() {
                             return;
                         }
                         tracing::debug!(resource = plugin.resource(), bytes, "sent device list");
-                        last_sent = Some(devices);
                     }
+                    last_sent = Some(offered);
                 }
                 tokio::select! {
                     changed = changes.changed() => if changed.is_err() { return },
