@@ -10,7 +10,6 @@
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard, OnceLock, PoisonError};
 
@@ -51,100 +50,18 @@ pub fn fake_nvml_lock() -> MutexGuard<'static, ()> {
     LOCK.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
-/// Runs `cargo build -p gpumem-fake-nvml` for the test executable's profile and target directory,
-/// then links the built library into a directory of its own.
+/// Builds the fake NVML library for the test executable's profile and target directory, then
+/// links it into a directory of its own under the names NVML has.
 fn build_fake_nvml() -> PathBuf {
-    let exe = std::env::current_exe().expect("cannot tell where the test executable is");
-    // The test executable is <target-dir>/[<triple>/]<profile-dir>/deps/<name>-<hash>.
-    let profile_dir = exe.parent().and_then(Path::parent).unwrap_or_else(|| {
-        panic!(
-            "test executable {} is not in <target>/<profile>/deps",
-            exe.display()
-        )
-    });
-    let profile_name = profile_dir
-        .file_name()
-        .and_then(|n| n.to_str())
-        .unwrap_or_else(|| panic!("cannot tell the cargo profile from {}", profile_dir.display()));
-    let cargo_profile = match profile_name {
-        "debug" => "dev",
-        other => other,
-    };
-    let above = profile_dir.parent().expect("the profile directory has a parent");
-    // Cargo marks the root of a target directory with CACHEDIR.TAG; one level further up means a
-    // `--target <triple>` build.
-    let (target_dir, triple) = match above.parent() {
-        Some(root) if !above.join("CACHEDIR.TAG").exists() && root.join("CACHEDIR.TAG").exists() => {
-            (root, above.file_name().and_then(|n| n.to_str()))
-        }
-        _ => (above, None),
-    };
-
-    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-    let mut command = Command::new(&cargo);
-    command
-        .arg("build")
-        .arg("--manifest-path")
-        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("Cargo.toml"))
-        .args(["-p", "gpumem-fake-nvml", "--profile", cargo_profile])
-        .arg("--target-dir")
-        .arg(target_dir)
-        .arg("--message-format=json-render-diagnostics");
-    if let Some(triple) = triple {
-        command.args(["--target", triple]);
-    }
-    let output = command
-        .output()
-        .unwrap_or_else(|e| panic!("cannot run {}: {e}", Path::new(&cargo).display()));
-    if !output.status.success() {
-        panic!(
-            "building the fake NVML library failed ({:?}):\n{}",
-            command,
-            String::from_utf8_lossy(&output.stderr)
-        );
-    }
-    let built = built_library(&output.stdout).unwrap_or_else(|| {
-        panic!(
-            "cargo built gpumem-fake-nvml but reported no libgpumem_fake_nvml.so:\n{}",
-            String::from_utf8_lossy(&output.stdout)
-        )
-    });
-
-    let dir = built
-        .parent()
-        .expect("the library has a directory")
-        .join("fake-nvml");
+    let manifest = Path::new(env!("CARGO_MANIFEST_DIR")).join("Cargo.toml");
+    let profile_dir = cdylib::build_packages(&manifest, cdylib::TEST_LIBRARIES);
+    let built = cdylib::built(&profile_dir, "libgpumem_fake_nvml.so");
+    let dir = profile_dir.join("fake-nvml");
     std::fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("cannot create {}: {e}", dir.display()));
     for name in ["libnvidia-ml.so.1", "libnvidia-ml.so"] {
-        link_atomically(&built, &dir.join(name));
+        cdylib::link_atomically(&built, &dir.join(name));
     }
     dir
-}
-
-/// The `.so` path from cargo's JSON messages (`compiler-artifact` of target `gpumem_fake_nvml`).
-fn built_library(json_lines: &[u8]) -> Option<PathBuf> {
-    String::from_utf8_lossy(json_lines)
-        .lines()
-        .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
-        .filter(|m| m["reason"] == "compiler-artifact" && m["target"]["name"] == "gpumem_fake_nvml")
-        .flat_map(|m| m["filenames"].as_array().cloned().unwrap_or_default())
-        .filter_map(|f| f.as_str().map(PathBuf::from))
-        .find(|f| f.extension().is_some_and(|e| e == "so"))
-}
-
-/// Points `link` at `target`, replacing whatever was there without a moment where it is missing
-/// (test processes run side by side under nextest).
-fn link_atomically(target: &Path, link: &Path) {
-    if std::fs::read_link(link).is_ok_and(|current| current == target) {
-        return;
-    }
-    let name = link.file_name().and_then(|n| n.to_str()).unwrap_or("link");
-    let temp = link.with_file_name(format!(".{name}.{}.tmp", std::process::id()));
-    let _ = std::fs::remove_file(&temp);
-    std::os::unix::fs::symlink(target, &temp)
-        .unwrap_or_else(|e| panic!("cannot create symlink {}: {e}", temp.display()));
-    std::fs::rename(&temp, link)
-        .unwrap_or_else(|e| panic!("cannot rename {} into place: {e}", temp.display()));
 }
 
 /// Writes the fake library's inject file (format: the doc comment of `fake-nvml/src/lib.rs`).
@@ -231,4 +148,5 @@ impl InjectFile {
     }
 }
 pub mod apiserver;
+mod cdylib;
 pub mod kubelet;

@@ -11,6 +11,9 @@ use std::process::{Child, ChildStdout, Command, Output, Stdio};
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+#[path = "../../../tests/support/cdylib.rs"]
+mod cdylib;
+
 /// The built libraries and where the test programs go.
 #[derive(Debug)]
 pub struct Built {
@@ -30,77 +33,21 @@ pub fn built() -> &'static Built {
 }
 
 fn build() -> Built {
-    let exe = std::env::current_exe().expect("cannot tell where the test executable is");
-    // The test executable is <target-dir>/[<triple>/]<profile-dir>/deps/<name>-<hash>.
-    let profile_dir = exe.parent().and_then(Path::parent).unwrap_or_else(|| {
-        panic!(
-            "test executable {} is not in <target>/<profile>/deps",
-            exe.display()
-        )
-    });
-    let profile_name = profile_dir
-        .file_name()
-        .and_then(|n| n.to_str())
-        .unwrap_or_else(|| panic!("cannot tell the cargo profile from {}", profile_dir.display()));
-    let cargo_profile = match profile_name {
-        "debug" => "dev",
-        other => other,
-    };
-    let above = profile_dir.parent().expect("the profile directory has a parent");
-    // Cargo marks the root of a target directory with CACHEDIR.TAG; one level further up means a
-    // `--target <triple>` build.
-    let (target_dir, triple) = match above.parent() {
-        Some(root) if !above.join("CACHEDIR.TAG").exists() && root.join("CACHEDIR.TAG").exists() => {
-            (root, above.file_name().and_then(|n| n.to_str()))
-        }
-        _ => (above, None),
-    };
-    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-    let mut command = Command::new(&cargo);
-    command
-        .arg("build")
-        .arg("--manifest-path")
-        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("../Cargo.toml"))
-        .args([
-            "-p",
-            "gpumem-cuda-shim",
-            "-p",
-            "gpumem-fake-cuda",
-            "-p",
-            "gpumem-fake-nvml",
-        ])
-        .args(["--profile", cargo_profile])
-        .arg("--target-dir")
-        .arg(target_dir);
-    if let Some(triple) = triple {
-        command.args(["--target", triple]);
-    }
-    let output = command
-        .output()
-        .unwrap_or_else(|e| panic!("cannot run {}: {e}", Path::new(&cargo).display()));
-    assert!(
-        output.status.success(),
-        "building the shim and the fakes failed ({command:?}):\n{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    let library = |name: &str| {
-        let path = profile_dir.join(name);
-        assert!(path.exists(), "cargo built no {}", path.display());
-        path
-    };
-    let shim = library("libgpumem_cuda.so");
-    let fake_cuda = library("libgpumem_fake_cuda.so");
-    let fake_nvml = library("libgpumem_fake_nvml.so");
+    let manifest = Path::new(env!("CARGO_MANIFEST_DIR")).join("../Cargo.toml");
+    let profile_dir = cdylib::build_packages(&manifest, cdylib::TEST_LIBRARIES);
+    let shim = cdylib::built(&profile_dir, "libgpumem_cuda.so");
+    let fake_cuda = cdylib::built(&profile_dir, "libgpumem_fake_cuda.so");
+    let fake_nvml = cdylib::built(&profile_dir, "libgpumem_fake_nvml.so");
     let root = profile_dir.join("gpumem-shim-tests");
     let (cuda_dir, nvml_dir, bin_dir) = (root.join("cuda"), root.join("nvml"), root.join("bin"));
     for dir in [&cuda_dir, &nvml_dir, &bin_dir] {
         std::fs::create_dir_all(dir).unwrap_or_else(|e| panic!("cannot create {}: {e}", dir.display()));
     }
     for name in ["libcuda.so.1", "libcuda.so"] {
-        link_atomically(&fake_cuda, &cuda_dir.join(name));
+        cdylib::link_atomically(&fake_cuda, &cuda_dir.join(name));
     }
     for name in ["libnvidia-ml.so.1", "libnvidia-ml.so"] {
-        link_atomically(&fake_nvml, &nvml_dir.join(name));
+        cdylib::link_atomically(&fake_nvml, &nvml_dir.join(name));
     }
     Built {
         shim,
@@ -108,18 +55,6 @@ fn build() -> Built {
         nvml_dir,
         bin_dir,
     }
-}
-
-/// Points `link` at `target` without a moment where it is missing (tests run side by side).
-fn link_atomically(target: &Path, link: &Path) {
-    if std::fs::read_link(link).is_ok_and(|current| current == target) {
-        return;
-    }
-    let temp = link.with_extension(format!("tmp{}", std::process::id()));
-    let _ = std::fs::remove_file(&temp);
-    std::os::unix::fs::symlink(target, &temp)
-        .unwrap_or_else(|e| panic!("cannot symlink {}: {e}", temp.display()));
-    std::fs::rename(&temp, link).unwrap_or_else(|e| panic!("cannot rename {}: {e}", temp.display()));
 }
 
 /// How a test program reaches the driver (see `tests/c/probe.c`).
