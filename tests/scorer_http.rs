@@ -289,15 +289,15 @@ async fn metrics_count_decisions_and_rejections() {
     let (status, text) = Conn::open(addr).await.request("GET", "/metrics", b"").await;
     assert_eq!(status, 200);
     assert!(
-        text.contains("gpumem_scorer_decision_seconds_count{verb=\"filter\"} 1"),
+        text.contains("gpumem_scorer_request_duration_seconds_count{verb=\"filter\"} 1"),
         "{text}"
     );
     assert!(
-        text.contains("gpumem_scorer_rejections_total{reason=\"gpu_memory\"} 1"),
+        text.contains("gpumem_scorer_filter_rejections_total{reason=\"gpu_memory\"} 1"),
         "{text}"
     );
     assert!(
-        text.contains("gpumem_scorer_rejections_total{reason=\"bad_annotation\"} 1"),
+        text.contains("gpumem_scorer_filter_rejections_total{reason=\"bad_annotation\"} 1"),
         "{text}"
     );
 }

@@ -1,91 +1,152 @@
-//! The node (and pod) cache for `nodeCacheCapable: true`, fed by kube-rs reflectors. Parsed GPU state is
-//! kept per node and reparsed only when the node's resourceVersion changes.
+//! The node (and pod) cache for `nodeCacheCapable: true`, fed by kube-rs reflectors. The node cache keeps
+//! every node's parsed GPU state ready: it is updated as the watch events arrive (a node is parsed again
+//! only when its resourceVersion changes), so a decision only looks nodes up by name, under one lock.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, RwLock};
 
 use k8s_openapi::api::core::v1::{Node, Pod};
-use kube::runtime::reflector::{self, ObjectRef, Store};
+use kube::runtime::reflector::{self, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client};
 use tokio_stream::StreamExt;
 
 use super::state::NodeState;
 
+/// Parsed GPU state by node name, kept in step with the watch events.
+#[derive(Default)]
+struct View {
+    nodes: HashMap<String, Arc<NodeState>>,
+    /// Names seen since the current (re)list began; on its end, the others are gone.
+    relist: Option<HashSet<String>>,
+}
+
 /// Nodes by name, as the API server last said, with their parsed GPU state.
 pub struct NodeCache {
-    store: Store<Node>,
-    parsed: RwLock<HashMap<String, Arc<NodeState>>>,
+    view: RwLock<View>,
     /// Keeps a hand-fed store's writer alive (see [`NodeCache::from_nodes`]).
     _writer: Option<reflector::store::Writer<Node>>,
+    _store: Store<Node>,
 }
 
 impl NodeCache {
     /// Starts a reflector on all Nodes; the returned cache fills as it lists and watches.
     pub fn start(client: Client) -> Arc<NodeCache> {
         let (store, writer) = reflector::store();
+        let cache = Arc::new(NodeCache {
+            view: RwLock::new(View::default()),
+            _writer: None,
+            _store: store,
+        });
         let stream = reflector::reflector(
             writer,
             watcher(Api::<Node>::all(client), watcher::Config::default()),
         )
         .default_backoff();
+        let feed = cache.clone();
         tokio::spawn(async move {
             let mut stream = std::pin::pin!(stream);
             while let Some(event) = stream.next().await {
-                if let Err(e) = event {
-                    tracing::warn!("node watch: {e}");
+                match event {
+                    Ok(event) => feed.apply(&event),
+                    Err(e) => tracing::warn!("node watch: {e}"),
                 }
             }
         });
-        Arc::new(NodeCache {
-            store,
-            parsed: RwLock::new(HashMap::new()),
+        cache
+    }
+
+    /// A cache holding exactly `nodes` (tests and benchmarks), fed through the same events as the
+    /// reflector's.
+    pub fn from_nodes(nodes: impl IntoIterator<Item = Node>) -> Arc<NodeCache> {
+        let mut writer = reflector::store::Writer::<Node>::default();
+        let cache = NodeCache {
+            view: RwLock::new(View::default()),
+            _store: writer.as_reader(),
             _writer: None,
+        };
+        let mut feed = |event: watcher::Event<Node>| {
+            writer.apply_watcher_event(&event);
+            cache.apply(&event);
+        };
+        feed(watcher::Event::Init);
+        for n in nodes {
+            feed(watcher::Event::InitApply(n));
+        }
+        feed(watcher::Event::InitDone);
+        Arc::new(NodeCache {
+            _writer: Some(writer),
+            ..cache
         })
     }
 
-    /// A cache holding exactly `nodes` (tests and benchmarks), through the same store type.
-    pub fn from_nodes(nodes: impl IntoIterator<Item = Node>) -> Arc<NodeCache> {
-        let mut writer = reflector::store::Writer::<Node>::default();
-        writer.apply_watcher_event(&watcher::Event::Init);
-        for n in nodes {
-            writer.apply_watcher_event(&watcher::Event::InitApply(n));
+    fn read(&self) -> std::sync::RwLockReadGuard<'_, View> {
+        self.view.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn write(&self) -> std::sync::RwLockWriteGuard<'_, View> {
+        self.view.write().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Applies one watch event (the reflector's store has already applied it).
+    pub fn apply(&self, event: &watcher::Event<Node>) {
+        match event {
+            watcher::Event::Init => self.write().relist = Some(HashSet::new()),
+            watcher::Event::InitApply(node) | watcher::Event::Apply(node) => {
+                let name = node.metadata.name.as_deref().unwrap_or("");
+                let rv = node.metadata.resource_version.as_deref().unwrap_or("");
+                let current = self.read().nodes.get(name).cloned();
+                let state = match current {
+                    Some(s) if !rv.is_empty() && s.resource_version == rv => s,
+                    _ => Arc::new(NodeState::from_node(node)),
+                };
+                let mut view = self.write();
+                if let Some(seen) = view.relist.as_mut() {
+                    seen.insert(name.to_string());
+                }
+                view.nodes.insert(name.to_string(), state);
+            }
+            watcher::Event::Delete(node) => {
+                let name = node.metadata.name.as_deref().unwrap_or("");
+                let mut view = self.write();
+                view.nodes.remove(name);
+                if let Some(seen) = view.relist.as_mut() {
+                    seen.remove(name);
+                }
+            }
+            watcher::Event::InitDone => {
+                let mut view = self.write();
+                if let Some(seen) = view.relist.take() {
+                    view.nodes.retain(|name, _| seen.contains(name));
+                }
+            }
         }
-        writer.apply_watcher_event(&watcher::Event::InitDone);
-        Arc::new(NodeCache {
-            store: writer.as_reader(),
-            parsed: RwLock::new(HashMap::new()),
-            _writer: Some(writer),
-        })
     }
 
     /// Node `name`'s GPU state, if the cache has the node.
     pub fn get(&self, name: &str) -> Option<Arc<NodeState>> {
-        let node = self.store.get(&ObjectRef::new(name))?;
-        let rv = node.metadata.resource_version.as_deref().unwrap_or("");
-        if let Some(s) = self
-            .parsed
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(name)
-            .filter(|s| s.resource_version == rv && !rv.is_empty())
-        {
-            return Some(s.clone());
-        }
-        let state = Arc::new(NodeState::from_node(&node));
-        self.parsed
-            .write()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(name.to_string(), state.clone());
-        Some(state)
+        self.read().nodes.get(name).cloned()
+    }
+
+    /// The GPU states of `names` (in that order), under one lock.
+    pub fn get_many(&self, names: &[String]) -> Vec<Option<Arc<NodeState>>> {
+        let view = self.read();
+        names.iter().map(|n| view.nodes.get(n).cloned()).collect()
+    }
+
+    /// Every node's GPU state, by name.
+    pub fn all(&self) -> Vec<Arc<NodeState>> {
+        let mut all: Vec<Arc<NodeState>> = self.read().nodes.values().cloned().collect();
+        all.sort_by(|a, b| a.name.cmp(&b.name));
+        all
     }
 
     pub fn len(&self) -> usize {
-        self.store.len()
+        self.read().nodes.len()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.store.is_empty()
+        self.read().nodes.is_empty()
     }
 }
 
@@ -129,5 +190,194 @@ impl PodCache {
             .state()
             .into_iter()
             .find(|p| p.metadata.uid.as_deref() == Some(uid))
+    }
+}
+
+/// Parsed GPU state of the nodes of `Nodes`-form requests (`nodeCacheCapable: false`), by the node's
+/// exact JSON text: a node kube-scheduler sends again unchanged (same name, same resourceVersion, so the
+/// same bytes) is not decoded again. Looked up by a hash of the text, confirmed by comparing the text.
+/// Nodes absent from recent requests are forgotten.
+#[derive(Default)]
+pub struct RawNodeCache {
+    inner: std::sync::Mutex<RawInner>,
+}
+
+#[derive(Default)]
+struct RawInner {
+    entries: HashMap<u64, RawEntry>,
+    /// Counts requests; an entry remembers the last one that used it.
+    generation: u64,
+}
+
+struct RawEntry {
+    text: Box<str>,
+    state: Arc<NodeState>,
+    used: u64,
+}
+
+/// A fast, non-cryptographic hash of a node's text: its length, its first 512 bytes (the name and
+/// resourceVersion come first) and one 8-byte word in every 64. Two texts that differ elsewhere hash
+/// alike, which only costs a decode: a match is always confirmed by comparing the whole text.
+fn text_hash(text: &[u8]) -> u64 {
+    const K: u64 = 0x517c_c1b7_2722_0a95;
+    let mix = |h: u64, w: u64| (h.rotate_left(5) ^ w).wrapping_mul(K);
+    let word = |at: usize| {
+        let mut w = [0u8; 8];
+        w.copy_from_slice(&text[at..at + 8]);
+        u64::from_le_bytes(w)
+    };
+    let mut h = text.len() as u64;
+    let head = text.len().min(512) / 8 * 8;
+    for at in (0..head).step_by(8) {
+        h = mix(h, word(at));
+    }
+    for at in (head..text.len().saturating_sub(7)).step_by(64) {
+        h = mix(h, word(at));
+    }
+    if text.len() >= 8 {
+        h = mix(h, word(text.len() - 8));
+    } else {
+        for &b in text {
+            h = mix(h, u64::from(b));
+        }
+    }
+    h
+}
+
+impl RawNodeCache {
+    /// The parsed state of each node in `items`, in order.
+    pub fn states(&self, items: &[Box<serde_json::value::RawValue>]) -> Vec<Arc<NodeState>> {
+        let hashes: Vec<u64> = items.iter().map(|n| text_hash(n.get().as_bytes())).collect();
+        let mut out: Vec<Option<Arc<NodeState>>> = Vec::with_capacity(items.len());
+        let generation = {
+            let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+            inner.generation += 1;
+            let generation = inner.generation;
+            for (item, h) in items.iter().zip(&hashes) {
+                out.push(match inner.entries.get_mut(h) {
+                    Some(e) if *e.text == *item.get() => {
+                        e.used = generation;
+                        Some(e.state.clone())
+                    }
+                    _ => None,
+                });
+            }
+            generation
+        };
+        // Decode what is new outside the lock.
+        let mut new = Vec::new();
+        for (k, slot) in out.iter_mut().enumerate() {
+            if slot.is_none() {
+                let state = Arc::new(NodeState::from_json_str(items[k].get()));
+                new.push(k);
+                *slot = Some(state);
+            }
+        }
+        if !new.is_empty() {
+            let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+            for k in new {
+                let state = out[k].clone().expect("decoded above");
+                inner.entries.insert(
+                    hashes[k],
+                    RawEntry {
+                        text: items[k].get().into(),
+                        state,
+                        used: generation,
+                    },
+                );
+            }
+            // Forget nodes the last few requests did not send, once the cache grows well past a request.
+            if inner.entries.len() > 2 * items.len() + 1024 {
+                let keep_from = generation.saturating_sub(4);
+                inner.entries.retain(|_, e| e.used >= keep_from);
+            }
+        }
+        out.into_iter().map(|s| s.expect("filled above")).collect()
+    }
+
+    /// Nodes held.
+    pub fn len(&self) -> usize {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner()).entries.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn raw_nodes_are_decoded_once_per_distinct_text() {
+        let cache = RawNodeCache::default();
+        let raw = |s: &str| serde_json::value::RawValue::from_string(s.to_string()).expect("raw");
+        let a = raw(r#"{"metadata":{"name":"a","resourceVersion":"1"}}"#);
+        let b = raw(r#"{"metadata":{"name":"b","resourceVersion":"1"}}"#);
+        let first = cache.states(&[a.clone(), b.clone()]);
+        assert_eq!(first[0].name, "a");
+        assert_eq!(first[1].name, "b");
+        let again = cache.states(&[b.clone(), a.clone()]);
+        assert!(Arc::ptr_eq(&again[0], &first[1]) && Arc::ptr_eq(&again[1], &first[0]));
+        // Same name and version but other bytes (a hand-made request): decoded again.
+        let a2 = raw(r#"{"metadata":{"name":"a","resourceVersion":"1","labels":{"x":"y"}}}"#);
+        let third = cache.states(&[a2]);
+        assert!(!Arc::ptr_eq(&third[0], &first[0]));
+        assert_eq!(third[0].name, "a");
+        assert_eq!(cache.len(), 3);
+        // Same length, differing only past the hashed head, between the sampled words: still told apart.
+        let padded = |c: char| {
+            let pad = "p".repeat(600);
+            raw(&format!(
+                r#"{{"metadata":{{"name":"z","labels":{{"pad":"{pad}","v":"{c}"}}}}}}"#
+            ))
+        };
+        let first = cache.states(&[padded('1')]);
+        let second = cache.states(&[padded('2')]);
+        assert!(!Arc::ptr_eq(&first[0], &second[0]));
+        assert_eq!(cache.states(&[padded('2')])[0], second[0]);
+        let broken = cache.states(&[raw(r#"{"metadata":{"name":"x","labels":5}}"#)]);
+        assert!(
+            broken[0]
+                .problem
+                .as_deref()
+                .is_some_and(|p| p.contains("cannot be read"))
+        );
+        assert_eq!(broken[0].name, "x");
+    }
+
+    #[test]
+    fn node_events_keep_the_view_in_step() {
+        let node = |name: &str, rv: &str| -> Node {
+            serde_json::from_value(serde_json::json!({"metadata": {"name": name, "resourceVersion": rv}}))
+                .expect("node")
+        };
+        let cache = NodeCache::from_nodes([node("a", "1"), node("b", "1")]);
+        assert_eq!(cache.len(), 2);
+        let a1 = cache.get("a").expect("a");
+        cache.apply(&watcher::Event::Apply(node("a", "1")));
+        assert!(
+            Arc::ptr_eq(&a1, &cache.get("a").expect("a")),
+            "same version: not reparsed"
+        );
+        cache.apply(&watcher::Event::Apply(node("a", "2")));
+        assert_eq!(cache.get("a").expect("a").resource_version, "2");
+        cache.apply(&watcher::Event::Delete(node("b", "1")));
+        assert!(cache.get("b").is_none());
+        // A relist that no longer has "a" drops it.
+        cache.apply(&watcher::Event::Init);
+        cache.apply(&watcher::Event::InitApply(node("c", "7")));
+        cache.apply(&watcher::Event::InitDone);
+        let names: Vec<String> = cache.all().iter().map(|n| n.name.clone()).collect();
+        assert_eq!(names, ["c"]);
+        assert_eq!(
+            cache
+                .get_many(&["c".into(), "zz".into()])
+                .iter()
+                .map(Option::is_some)
+                .collect::<Vec<_>>(),
+            [true, false]
+        );
     }
 }

@@ -52,10 +52,17 @@ pub fn check(node: &NodeState, pod: &PodDemand) -> Result<Fit, Rejection> {
     if node.gpus.is_empty() {
         return Err(Rejection::new("node has no GPUs".into(), "no_gpu", true));
     }
-    let allowed: Vec<usize> = (0..node.gpus.len())
-        .filter(|&p| pod.allows_model(&node.gpus[p].model))
-        .collect();
-    if allowed.is_empty() {
+    let mut allowed = 0usize;
+    let mut eligible: Vec<usize> = Vec::with_capacity(node.gpus.len());
+    for (p, g) in node.gpus.iter().enumerate() {
+        if pod.allows_model(&g.model) {
+            allowed += 1;
+            if g.healthy {
+                eligible.push(p);
+            }
+        }
+    }
+    if allowed == 0 {
         let mut models: Vec<&str> = node.gpus.iter().map(|g| g.model.as_str()).collect();
         models.dedup();
         return Err(Rejection::new(
@@ -68,19 +75,14 @@ pub fn check(node: &NodeState, pod: &PodDemand) -> Result<Fit, Rejection> {
             true,
         ));
     }
-    let eligible: Vec<usize> = allowed
-        .iter()
-        .copied()
-        .filter(|&p| node.gpus[p].healthy)
-        .collect();
     if eligible.is_empty() {
         return Err(Rejection::new(
-            format!("all {} GPU(s) of an allowed type are unhealthy", allowed.len()),
+            format!("all {allowed} GPU(s) of an allowed type are unhealthy"),
             "unhealthy",
             true,
         ));
     }
-    let unhealthy = allowed.len() - eligible.len();
+    let unhealthy = allowed - eligible.len();
     let note = if unhealthy > 0 {
         format!(" ({unhealthy} unhealthy GPU(s) not counted)")
     } else {
@@ -313,6 +315,84 @@ pub fn typical_mix(cfg: &Config) -> TypicalMix {
     }
 }
 
+/// The policy's view of the cluster and the policy built for it, kept between calls: a decision
+/// updates the view in place, and builds the policy again only when the view's shape changed (nodes,
+/// models, capacities: what [`alloc::build_policy`] reads of "a cluster like" this one). The policy's own
+/// caches (the fragmentation of each node) then only look at what changed. Holding the view is what
+/// makes `prioritize` cheap; a call that finds it busy (concurrent prioritize calls) builds its own.
+#[derive(Default)]
+pub struct PolicyCache {
+    slots: std::sync::Mutex<Vec<Slot>>,
+}
+
+/// One view per request amount (nodes with different memory units need different amounts).
+struct Slot {
+    need: u64,
+    cluster: Cluster,
+    policy: Box<dyn alloc::Policy>,
+}
+
+/// At most this many views are kept.
+const MAX_SLOTS: usize = 4;
+
+/// Writes the policy's view of the nodes `members` (indices into `fits`) into `cluster`, reusing what is
+/// there; returns whether the shape (names, models, capacities) stayed the same.
+fn fill_view(
+    cluster: &mut Cluster,
+    nodes: &[&NodeState],
+    fits: &[(usize, Fit)],
+    members: &[usize],
+    pod: &PodDemand,
+) -> bool {
+    let mut models = ModelTable::default();
+    let mut same = cluster.nodes.len() == members.len();
+    cluster.nodes.truncate(members.len());
+    for (slot, &k) in members.iter().enumerate() {
+        let (i, fit) = &fits[k];
+        let n = nodes[*i];
+        let model = fit
+            .eligible
+            .first()
+            .and_then(|&p| models.intern(&n.gpus[p].model).ok())
+            .unwrap_or(0);
+        // kube-scheduler checks CPU and memory; the policy must not refuse on them.
+        let cpu = n.cpu_milli.max(pod.cpu_milli);
+        let memory = n.memory_mib.max(pod.memory_mib);
+        if slot == cluster.nodes.len() {
+            cluster
+                .nodes
+                .push(alloc::Node::new(n.name.clone(), model, cpu, memory, Vec::new()));
+            same = false;
+        }
+        let v = &mut cluster.nodes[slot];
+        if v.name != n.name {
+            v.name.clone_from(&n.name);
+            same = false;
+        }
+        same &= v.model == model && v.cpu_capacity == cpu && v.memory_capacity == memory;
+        v.model = model;
+        (v.cpu_capacity, v.cpu_free) = (cpu, cpu);
+        (v.memory_capacity, v.memory_free) = (memory, memory);
+        v.tags.clear();
+        same &= v.gpus.len() == n.gpus.len();
+        v.gpus.resize(n.gpus.len(), Gpu { capacity: 0, free: 0 });
+        for (p, (g, out)) in n.gpus.iter().zip(v.gpus.iter_mut()).enumerate() {
+            let capacity = u32::try_from(g.memory_mib).unwrap_or(u32::MAX);
+            let free = if fit.eligible.contains(&p) {
+                u32::try_from(g.free_mib()).unwrap_or(u32::MAX)
+            } else {
+                0
+            };
+            same &= out.capacity == capacity;
+            *out = Gpu { capacity, free };
+        }
+    }
+    let old = &cluster.models;
+    same &= old.len() == models.len() && (0..models.len()).all(|m| old.name(m as u8) == models.name(m as u8));
+    cluster.models = models;
+    same
+}
+
 /// Ranks the nodes in `fits` (index into `nodes`, and its fit) for `pod`. `load` is the share of GPU
 /// memory allocated in the cluster as the scorer sees it (decides the online weight).
 pub fn prioritize(
@@ -321,6 +401,18 @@ pub fn prioritize(
     pod: &PodDemand,
     cfg: &Config,
     load: f64,
+) -> Vec<(usize, Scored)> {
+    prioritize_cached(nodes, fits, pod, cfg, load, None)
+}
+
+/// [`prioritize`], keeping the policy's view of the cluster in `cache` between calls (same answers).
+pub fn prioritize_cached(
+    nodes: &[&NodeState],
+    fits: &[(usize, Fit)],
+    pod: &PodDemand,
+    cfg: &Config,
+    load: f64,
+    cache: Option<&PolicyCache>,
 ) -> Vec<(usize, Scored)> {
     if fits.is_empty() {
         return Vec::new();
@@ -334,41 +426,8 @@ pub fn prioritize(
     let mut policy_score: Vec<Option<(f64, Vec<usize>)>> = vec![None; fits.len()];
     let mut rng = rand_pcg::Pcg64Mcg::seed_from_u64(1);
     let mut out = Vec::new();
+    let mut slots = cache.and_then(|c| c.slots.try_lock().ok());
     for (need, members) in groups {
-        let mut models = ModelTable::default();
-        let mut view = Vec::with_capacity(members.len());
-        for &k in &members {
-            let (i, fit) = &fits[k];
-            let n = nodes[*i];
-            let model = fit
-                .eligible
-                .first()
-                .and_then(|&p| models.intern(&n.gpus[p].model).ok())
-                .unwrap_or(0);
-            let gpus = n
-                .gpus
-                .iter()
-                .enumerate()
-                .map(|(p, g)| {
-                    let capacity = u32::try_from(g.memory_mib).unwrap_or(u32::MAX);
-                    let free = if fit.eligible.contains(&p) {
-                        u32::try_from(g.free_mib()).unwrap_or(u32::MAX)
-                    } else {
-                        0
-                    };
-                    Gpu { capacity, free }
-                })
-                .collect();
-            // kube-scheduler checks CPU and memory; the policy must not refuse on them.
-            view.push(alloc::Node::new(
-                n.name.clone(),
-                model,
-                n.cpu_milli.max(pod.cpu_milli),
-                n.memory_mib.max(pod.memory_mib),
-                gpus,
-            ));
-        }
-        let cluster = Cluster::new(models, view);
         let gpu = match pod.demand {
             Demand::Memory { .. } => GpuDemand::Shared {
                 amount: u32::try_from(need).unwrap_or(u32::MAX),
@@ -381,16 +440,63 @@ pub fn prioritize(
             gpu,
             models: None,
         };
-        let Some(mut policy) = alloc::build_policy(&cfg.policy, &cluster, &mix) else {
-            continue;
+        let kept = slots.as_deref_mut().map(|slots| {
+            let at = match slots.iter().position(|s| s.need == need) {
+                Some(at) => at,
+                None => {
+                    if slots.len() >= MAX_SLOTS {
+                        slots.remove(0);
+                    }
+                    slots.len()
+                }
+            };
+            (slots, at)
+        });
+        let mut fresh: Option<(Cluster, Box<dyn alloc::Policy>)> = None;
+        let (cluster, policy) = match kept {
+            Some((slots, at)) if at < slots.len() => {
+                let slot = &mut slots[at];
+                if !fill_view(&mut slot.cluster, nodes, fits, &members, pod) {
+                    let Some(p) = alloc::build_policy(&cfg.policy, &slot.cluster, &mix) else {
+                        slots.remove(at);
+                        continue;
+                    };
+                    slot.policy = p;
+                }
+                let slot = &mut slots[at];
+                (&slot.cluster, &mut slot.policy)
+            }
+            kept => {
+                let mut cluster = Cluster::default();
+                fill_view(&mut cluster, nodes, fits, &members, pod);
+                let Some(policy) = alloc::build_policy(&cfg.policy, &cluster, &mix) else {
+                    continue;
+                };
+                match kept {
+                    Some((slots, _)) => {
+                        slots.push(Slot {
+                            need,
+                            cluster,
+                            policy,
+                        });
+                        let slot = slots.last_mut().expect("just pushed");
+                        (&slot.cluster, &mut slot.policy)
+                    }
+                    None => {
+                        let f = fresh.insert((cluster, policy));
+                        (&f.0, &mut f.1)
+                    }
+                }
+            }
         };
-        policy.score(&cluster, &req, &mut rng, &mut out);
+        policy.score(cluster, &req, &mut rng, &mut out);
         for c in &out {
             if let Some(&k) = members.get(c.node as usize) {
                 policy_score[k] = Some((c.score, c.gpus.iter().collect()));
             }
         }
     }
+    drop(slots);
     let (lo, hi) = policy_score
         .iter()
         .flatten()
@@ -462,6 +568,60 @@ pub fn prioritize(
             (*i, Scored { score, raw, gpus })
         })
         .collect()
+}
+
+/// The cluster's GPU memory picture, for the gauges.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Fragmentation {
+    /// Share of the idle GPU memory (healthy GPUs) that the typical mix cannot use, over all nodes.
+    pub cluster: f64,
+    /// The same per node (0 for a node with no idle GPU memory); nodes with bad annotations are left out.
+    pub nodes: Vec<(String, f64)>,
+    /// Allocated GPU memory over total, on healthy GPUs.
+    pub allocated: f64,
+}
+
+/// The fragmentation of `nodes` by the shared policy's measure ([`alloc::frag`], FGD's, against the
+/// configured typical mix), as a share of idle GPU memory; and the allocated share. Unhealthy GPUs and
+/// nodes with bad annotations count nowhere.
+pub fn fragmentation(nodes: &[&NodeState], cfg: &Config) -> Fragmentation {
+    let mut models = ModelTable::default();
+    let view: Vec<(&str, alloc::Node)> = nodes
+        .iter()
+        .filter(|n| n.problem.is_none())
+        .map(|n| {
+            let healthy = || n.gpus.iter().filter(|g| g.healthy);
+            let model = healthy()
+                .next()
+                .and_then(|g| models.intern(&g.model).ok())
+                .unwrap_or(0);
+            let gpus = healthy()
+                .map(|g| Gpu {
+                    capacity: u32::try_from(g.memory_mib).unwrap_or(u32::MAX),
+                    free: u32::try_from(g.free_mib()).unwrap_or(u32::MAX),
+                })
+                .collect();
+            let node = alloc::Node::new(String::new(), model, n.cpu_milli, n.memory_mib, gpus);
+            (n.name.as_str(), node)
+        })
+        .collect();
+    let model = alloc::FragModel::new(&typical_mix(cfg), &models, false);
+    let (mut frag, mut free, mut capacity) = (0.0, 0u64, 0u64);
+    let mut per_node = Vec::with_capacity(view.len());
+    for (name, node) in &view {
+        let f = model.node_frag(node);
+        let idle = node.gpu_free_total();
+        frag += f;
+        free += idle;
+        capacity += node.gpu_capacity_total();
+        per_node.push((name.to_string(), if idle == 0 { 0.0 } else { f / idle as f64 }));
+    }
+    let ratio = |a: f64, b: u64| if b == 0 { 0.0 } else { a / b as f64 };
+    Fragmentation {
+        cluster: ratio(frag, free),
+        nodes: per_node,
+        allocated: ratio(capacity.saturating_sub(free) as f64, capacity),
+    }
 }
 
 /// Share of GPU memory allocated over `nodes` (0 when they have no GPUs).
@@ -553,6 +713,43 @@ mod tests {
         assert!(check(&n, &p).is_err_and(|r| r.category == "topology"));
         p.topology = TopologyNeed::Numa;
         assert_eq!(check(&n, &p).expect("fits").set.map(|s| s.0.len()), Some(3));
+    }
+
+    #[test]
+    fn the_kept_policy_view_answers_as_a_fresh_one() {
+        let cfg = Config::default();
+        let cache = PolicyCache::default();
+        let p = pod(Demand::Memory { units: 5000 }, WorkloadClass::Offline);
+        let mut nodes: Vec<NodeState> = (0..6)
+            .map(|i| {
+                let gpus = (0..4)
+                    .map(|g| gpu(g, 16384, [16384, 9000, 6000, 12000][(i + g) % 4]))
+                    .collect();
+                node(&format!("n{i}"), gpus)
+            })
+            .collect();
+        let run = |nodes: &[NodeState], cache: Option<&PolicyCache>| {
+            let refs: Vec<&NodeState> = nodes.iter().collect();
+            let fits: Vec<(usize, Fit)> = refs
+                .iter()
+                .enumerate()
+                .filter_map(|(i, n)| check(n, &p).ok().map(|f| (i, f)))
+                .collect();
+            prioritize_cached(&refs, &fits, &p, &cfg, load(&refs), cache)
+        };
+        for round in 0..4 {
+            let kept = run(&nodes, Some(&cache));
+            assert_eq!(kept, run(&nodes, None), "round {round}");
+            // Usage changes (the view is updated in place), then the shape changes (rebuilt).
+            match round {
+                0 => nodes[2].gpus[1].allocated_mib = 16000,
+                1 => nodes[4].gpus[0].memory_mib = 40960,
+                _ => {
+                    nodes.pop();
+                }
+            }
+        }
+        assert_eq!(cache.slots.lock().expect("lock").len(), 1);
     }
 
     #[test]

@@ -5,8 +5,10 @@
 //! given twice in different case: the last one wins, as in Go). What we write uses the exact Go names.
 //! The embedded `v1.Pod` / `v1.Node` objects are ordinary Kubernetes JSON.
 //!
-//! In the `Nodes` form (`nodeCacheCapable: false`) the nodes are kept as raw JSON values, so that a
-//! filter answer hands back exactly the objects kube-scheduler sent, field for field.
+//! In the `Nodes` form (`nodeCacheCapable: false`) the nodes are kept as raw JSON text ([`RawValue`]):
+//! decoding a request only finds where each node starts and ends, the scorer reads from a node only what
+//! it needs (and only when it has not seen those exact bytes before), and a filter answer hands back
+//! exactly the bytes kube-scheduler sent.
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -14,6 +16,7 @@ use std::fmt;
 use k8s_openapi::api::core::v1::Pod;
 use serde::Serialize;
 use serde::de::{Deserialize, Deserializer, IgnoredAny, MapAccess, Visitor};
+use serde_json::value::RawValue;
 
 /// The score range an extender answers in (`MinExtenderPriority` / `MaxExtenderPriority`).
 pub const MIN_EXTENDER_PRIORITY: i64 = 0;
@@ -68,7 +71,7 @@ case_insensitive!(ExtenderArgs {
     node_names: Option<Vec<String>> => "NodeNames",
 });
 
-/// A `v1.NodeList`, its items kept as raw JSON.
+/// A `v1.NodeList`, its items kept as raw JSON text.
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct NodeList {
     #[serde(skip_serializing_if = "Option::is_none", rename = "apiVersion")]
@@ -76,14 +79,14 @@ pub struct NodeList {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub kind: Option<String>,
     pub metadata: serde_json::Value,
-    pub items: Vec<serde_json::Value>,
+    pub items: Vec<Box<RawValue>>,
 }
 
 case_insensitive!(NodeList {
     api_version: Option<String> => "apiVersion",
     kind: Option<String> => "kind",
     metadata: serde_json::Value => "metadata",
-    items: Vec<serde_json::Value> => "items",
+    items: Vec<Box<RawValue>> => "items",
 });
 
 /// `FailedNodesMap`: node name → why the pod cannot go there.

@@ -1,5 +1,18 @@
-//! Prometheus metrics of the scorer: decision latency per verb, rejections by reason, errors per verb,
-//! and the ledger's size.
+//! Prometheus metrics of the scorer, under the names the deployed dashboard and alerts query
+//! (`deploy/helm/gpumem/dashboards/gpumem.json`, `templates/prometheusrule.yaml`):
+//!
+//! - `gpumem_scorer_request_duration_seconds{verb}`: time to answer one extender call (histogram);
+//! - `gpumem_scorer_filter_rejections_total{reason}`: nodes `filter` rejected, by reason;
+//! - `gpumem_cluster_fragmentation_ratio`, `gpumem_node_fragmentation_ratio{node}`: the share of idle GPU
+//!   memory the typical task mix cannot use (the placement policy's measure);
+//! - `gpumem_cluster_gpu_memory_allocated_ratio`: allocated GPU memory over total, healthy GPUs;
+//!
+//! and, beyond what the dashboards use, `gpumem_scorer_errors_total{verb}` and
+//! `gpumem_scorer_ledger_reservations`. The three cluster gauges are computed when scraped (see
+//! [`super::Scorer::refresh_gauges`]), at most once per [`GAUGE_PERIOD`].
+
+use std::sync::atomic::AtomicU64;
+use std::time::Duration;
 
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -7,6 +20,9 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
+
+/// The cluster gauges are recomputed at most this often.
+pub const GAUGE_PERIOD: Duration = Duration::from_secs(2);
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct VerbLabel {
@@ -17,6 +33,14 @@ pub struct VerbLabel {
 pub struct ReasonLabel {
     pub reason: &'static str,
 }
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct NodeLabel {
+    pub node: String,
+}
+
+/// A gauge holding a float.
+pub type Ratio = Gauge<f64, AtomicU64>;
 
 fn latency_histogram() -> Histogram {
     // 50 µs .. ~1.6 s.
@@ -29,6 +53,9 @@ pub struct Metrics {
     pub rejections: Family<ReasonLabel, Counter>,
     pub errors: Family<VerbLabel, Counter>,
     pub ledger: Gauge,
+    pub cluster_fragmentation: Ratio,
+    pub node_fragmentation: Family<NodeLabel, Ratio>,
+    pub cluster_allocated: Ratio,
 }
 
 impl Default for Metrics {
@@ -39,31 +66,50 @@ impl Default for Metrics {
 
 impl Metrics {
     pub fn new() -> Metrics {
-        let mut registry = Registry::with_prefix("gpumem_scorer");
+        let mut registry = Registry::default();
         let latency =
             Family::<VerbLabel, Histogram, fn() -> Histogram>::new_with_constructor(latency_histogram);
         let rejections = Family::<ReasonLabel, Counter>::default();
         let errors = Family::<VerbLabel, Counter>::default();
         let ledger = Gauge::default();
+        let cluster_fragmentation = Ratio::default();
+        let node_fragmentation = Family::<NodeLabel, Ratio>::default();
+        let cluster_allocated = Ratio::default();
         registry.register(
-            "decision_seconds",
+            "gpumem_scorer_request_duration_seconds",
             "Time to answer one extender call, by verb",
             latency.clone(),
         );
+        // Counters get `_total` appended.
         registry.register(
-            "rejections",
+            "gpumem_scorer_filter_rejections",
             "Nodes rejected by filter, by reason",
             rejections.clone(),
         );
         registry.register(
-            "errors",
+            "gpumem_scorer_errors",
             "Extender calls answered with an error, by verb",
             errors.clone(),
         );
         registry.register(
-            "ledger_reservations",
+            "gpumem_scorer_ledger_reservations",
             "Binds made whose GPUs the node annotations do not show yet",
             ledger.clone(),
+        );
+        registry.register(
+            "gpumem_cluster_fragmentation_ratio",
+            "Share of the idle GPU memory (healthy GPUs) the typical task mix cannot use, over the nodes the scorer knows",
+            cluster_fragmentation.clone(),
+        );
+        registry.register(
+            "gpumem_node_fragmentation_ratio",
+            "Share of the node's idle GPU memory (healthy GPUs) the typical task mix cannot use",
+            node_fragmentation.clone(),
+        );
+        registry.register(
+            "gpumem_cluster_gpu_memory_allocated_ratio",
+            "Allocated GPU memory over total, healthy GPUs of the nodes the scorer knows",
+            cluster_allocated.clone(),
         );
         Metrics {
             registry,
@@ -71,6 +117,21 @@ impl Metrics {
             rejections,
             errors,
             ledger,
+            cluster_fragmentation,
+            node_fragmentation,
+            cluster_allocated,
+        }
+    }
+
+    /// Sets the cluster gauges.
+    pub fn set_fragmentation(&self, f: &super::decide::Fragmentation) {
+        self.cluster_fragmentation.set(f.cluster);
+        self.cluster_allocated.set(f.allocated);
+        self.node_fragmentation.clear();
+        for (node, ratio) in &f.nodes {
+            self.node_fragmentation
+                .get_or_create(&NodeLabel { node: node.clone() })
+                .set(*ratio);
         }
     }
 

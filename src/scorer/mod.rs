@@ -23,7 +23,7 @@ pub mod state;
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
@@ -47,7 +47,7 @@ pub const API_ACCESS: &[&str] = &[
     "policy/poddisruptionbudgets:list",
 ];
 
-use self::cache::{NodeCache, PodCache};
+use self::cache::{NodeCache, PodCache, RawNodeCache};
 use self::decide::{Fit, Rejection};
 use self::extender::{
     ExtenderArgs, ExtenderBindingArgs, ExtenderBindingResult, ExtenderFilterResult, ExtenderPreemptionArgs,
@@ -212,6 +212,14 @@ pub struct Scorer {
     pods: Option<Arc<PodCache>>,
     client: Option<Client>,
     rules: ClassRules,
+    /// Parsed nodes of `Nodes`-form requests.
+    raw_nodes: RawNodeCache,
+    /// The policy's view of the cluster, kept between `prioritize` calls.
+    policy_cache: decide::PolicyCache,
+    /// Without a node cache: the nodes of the last `Nodes`-form call (for the cluster gauges).
+    last_nodes: Mutex<Vec<Arc<NodeState>>>,
+    /// When the cluster gauges were last computed.
+    gauges_at: Mutex<Option<Instant>>,
 }
 
 impl Scorer {
@@ -233,7 +241,32 @@ impl Scorer {
             pods,
             client,
             rules,
+            raw_nodes: RawNodeCache::default(),
+            policy_cache: decide::PolicyCache::default(),
+            last_nodes: Mutex::new(Vec::new()),
+            gauges_at: Mutex::new(None),
         }
+    }
+
+    /// Recomputes the cluster gauges (fragmentation, allocated share) if they are older than
+    /// [`metrics::GAUGE_PERIOD`]: over the node cache's nodes, or without one over the nodes of the last
+    /// `Nodes`-form call; binds in flight (the ledger) count as allocated.
+    pub fn refresh_gauges(&self) {
+        {
+            let mut at = self.gauges_at.lock().unwrap_or_else(|e| e.into_inner());
+            if at.is_some_and(|t| t.elapsed() < metrics::GAUGE_PERIOD) {
+                return;
+            }
+            *at = Some(Instant::now());
+        }
+        let mut states = match &self.nodes {
+            Some(cache) => cache.all(),
+            None => self.last_nodes.lock().unwrap_or_else(|e| e.into_inner()).clone(),
+        };
+        self.ledger.apply_arcs(&mut states);
+        let refs: Vec<&NodeState> = states.iter().map(|s| s.as_ref()).collect();
+        self.metrics
+            .set_fragmentation(&decide::fragmentation(&refs, &self.config));
     }
 
     fn observe(&self, verb: &'static str, start: Instant) {
@@ -250,10 +283,11 @@ impl Scorer {
     /// The candidate nodes' states (ledger applied), from the `Nodes` list or from the cache.
     fn candidates(&self, args: &ExtenderArgs) -> Result<Vec<Arc<NodeState>>, BadRequest> {
         let mut states: Vec<Arc<NodeState>> = if let Some(list) = &args.nodes {
-            list.items
-                .iter()
-                .map(|n| Arc::new(NodeState::from_json(n)))
-                .collect()
+            let states = self.raw_nodes.states(&list.items);
+            if self.nodes.is_none() {
+                *self.last_nodes.lock().unwrap_or_else(|e| e.into_inner()) = states.clone();
+            }
+            states
         } else if let Some(names) = &args.node_names {
             let Some(cache) = &self.nodes else {
                 return Err(BadRequest(
@@ -263,8 +297,9 @@ impl Scorer {
             };
             names
                 .iter()
-                .map(|name| {
-                    cache.get(name).unwrap_or_else(|| {
+                .zip(cache.get_many(names))
+                .map(|(name, state)| {
+                    state.unwrap_or_else(|| {
                         Arc::new(NodeState {
                             name: name.clone(),
                             resource_version: String::new(),
@@ -378,7 +413,9 @@ impl Scorer {
                 .filter_map(|(i, s)| decide::check(s, &d).ok().map(|f| (i, f)))
                 .collect();
             let load = decide::load(&refs);
-            for (i, s) in decide::prioritize(&refs, &fits, &d, &self.config, load) {
+            let ranked =
+                decide::prioritize_cached(&refs, &fits, &d, &self.config, load, Some(&self.policy_cache));
+            for (i, s) in ranked {
                 scores[i] = s.score;
             }
         }

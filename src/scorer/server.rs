@@ -123,11 +123,14 @@ async fn handle(scorer: &Scorer, req: Request<Incoming>) -> Reply {
     let limit = scorer.config.max_body_bytes;
     match (req.method(), verb.as_str()) {
         (&Method::GET, "healthz") => text(StatusCode::OK, "ok".into()),
-        (&Method::GET, "metrics") => reply(
-            StatusCode::OK,
-            "application/openmetrics-text; version=1.0.0; charset=utf-8",
-            scorer.metrics.encode(),
-        ),
+        (&Method::GET, "metrics") => {
+            scorer.refresh_gauges();
+            reply(
+                StatusCode::OK,
+                "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                scorer.metrics.encode(),
+            )
+        }
         (&Method::POST, "filter") => match body(req, limit, "filter").await {
             Ok(args) => match scorer.filter(args) {
                 Ok(r) => json(&r),

@@ -103,10 +103,10 @@ impl NodeState {
         )
     }
 
-    /// From a Node in raw JSON (the `Nodes` form of the extender protocol): only the fields the scorer
-    /// uses are decoded.
-    pub fn from_json(node: &serde_json::Value) -> NodeState {
-        match NodeView::deserialize(node) {
+    /// From a Node in raw JSON text (the `Nodes` form of the extender protocol): only the fields the
+    /// scorer uses are decoded, everything else is skipped.
+    pub fn from_json_str(node: &str) -> NodeState {
+        match serde_json::from_str::<NodeView>(node) {
             Ok(v) => NodeState::from_parts(
                 &v.metadata.name,
                 &v.metadata.resource_version,
@@ -116,11 +116,20 @@ impl NodeState {
                 v.status.allocatable.get("memory").map(String::as_str),
             ),
             Err(e) => {
-                let name = node
-                    .pointer("/metadata/name")
-                    .and_then(|n| n.as_str())
-                    .unwrap_or("")
-                    .to_string();
+                #[derive(Deserialize, Default)]
+                #[serde(default)]
+                struct Named {
+                    metadata: NameOnly,
+                }
+                #[derive(Deserialize, Default)]
+                #[serde(default)]
+                struct NameOnly {
+                    name: Option<String>,
+                }
+                let name = serde_json::from_str::<Named>(node)
+                    .ok()
+                    .and_then(|n| n.metadata.name)
+                    .unwrap_or_default();
                 NodeState::broken(&name, format!("node object cannot be read: {e}"))
             }
         }
