@@ -64,7 +64,7 @@ async fn bench_filter_prioritize() {
             };
             let mut conn = Conn::open(addr).await;
             let rounds = if n >= 5000 && form == "Nodes" { 20 } else { 100 };
-            // Warm-up (parses and caches node state in the NodeNames form).
+            // Warm-up: fills the node caches (both forms keep parsed node state between calls).
             for _ in 0..3 {
                 assert_eq!(conn.request("POST", "/filter", body.as_bytes()).await.0, 200);
             }
