@@ -88,10 +88,11 @@ impl Drop for Agent {
 
 /// A node: temp dir, kubelet double, PodResources double, inject file.
 struct Node {
-    dir: tempfile::TempDir,
     kubelet: FakeKubelet,
     pods: FakePodResources,
     inject: InjectFile,
+    /// Last: fields drop in order, and the doubles must stop writing here before it is removed.
+    dir: tempfile::TempDir,
 }
 
 impl Node {
