@@ -282,3 +282,44 @@ async fn preempt_meta_victims_resolve_through_the_caches() {
         "nodes come from the cache"
     );
 }
+
+/// A pod another scorer replica bound to node `n` on GPU 0 `age_secs` ago, not yet in the annotation.
+fn bound_by_another_replica(age_secs: i64) -> Pod {
+    let at = k8s_openapi::jiff::Timestamp::now() - k8s_openapi::jiff::SignedDuration::from_secs(age_secs);
+    let mut pod = pod_json(
+        "elsewhere",
+        5000,
+        0,
+        json!({"gpumem.io/assigned-gpus": uuid("n", 0), "gpumem.io/assigned-at": at.to_string()}),
+        json!({}),
+    );
+    pod["spec"]["nodeName"] = json!("n");
+    serde_json::from_value(pod).expect("pod")
+}
+
+#[tokio::test]
+async fn binds_of_other_replicas_count_until_the_annotation_shows_them() {
+    for (age, expect_refused) in [(5, true), (100_000, false)] {
+        // GPU 0 has 6000 MiB free, GPU 1 2000: another replica just put a 5000 MiB pod on GPU 0.
+        let node = node_json("n", &[g(16384, 10384), g(16384, 14384)]);
+        let api = Arc::new(FakeApi::default());
+        api.nodes.lock().expect("lock").insert("n".into(), node.clone());
+        api.pods
+            .lock()
+            .expect("lock")
+            .insert("team-a/p1".into(), pod_json("p1", 5000, 0, json!({}), json!({})));
+        let client = fake_api(api.clone()).await;
+        let pods = PodCache::from_pods([bound_by_another_replica(age)]);
+        let (addr, _) = start(Scorer::new(Config::default(), Some(client), None, Some(pods))).await;
+        let (_, r) = post_json(addr, "/bind", &bind_args("p1", "n")).await;
+        let error = r["Error"].as_str().expect("Error");
+        if expect_refused {
+            assert!(
+                error.contains("largest free GPU has 2000 MiB, pod needs 5000 MiB"),
+                "{error}"
+            );
+        } else {
+            assert_eq!(error, "", "a choice older than the ledger's TTL no longer counts");
+        }
+    }
+}

@@ -185,6 +185,15 @@ impl PodCache {
         })
     }
 
+    /// Pods bound to `node`.
+    pub fn on_node(&self, node: &str) -> Vec<Arc<Pod>> {
+        self.store
+            .state()
+            .into_iter()
+            .filter(|p| p.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some(node))
+            .collect()
+    }
+
     pub fn by_uid(&self, uid: &str) -> Option<Arc<Pod>> {
         self.store
             .state()

@@ -90,6 +90,13 @@ impl Ledger {
         }
     }
 
+    /// Whether this replica holds a reservation for `pod` on `node`.
+    pub fn holds(&self, node: &str, pod: &str) -> bool {
+        self.lock()
+            .get(node)
+            .is_some_and(|list| list.iter().any(|r| r.pod == pod))
+    }
+
     /// Reservations held, over all nodes.
     pub fn len(&self) -> usize {
         self.lock().values().map(Vec::len).sum()
@@ -111,28 +118,32 @@ fn apply_locked(nodes: &mut HashMap<String, Vec<Reservation>>, ttl: Duration, no
             .any(|(p, _)| gpus.get(*p).is_some_and(|g| g.pods.contains(&r.pod)))
     };
     list.retain(|r| now.duration_since(r.at) < ttl && !visible(r, &node.gpus));
-    let mut taken = 0;
-    for r in list.iter() {
-        for (p, uuid) in &r.gpus {
-            // Match by UUID: positions only hold while the node's GPU list is the same.
-            let Some(g) = node.gpus.get_mut(*p).filter(|g| g.uuid == *uuid) else {
-                continue;
-            };
-            match r.mib {
-                Some(m) => {
-                    g.allocated_mib = g.allocated_mib.saturating_add(m).min(g.memory_mib);
-                    taken += m;
-                }
-                None => {
-                    taken += g.free_mib();
-                    g.whole = true;
-                    g.allocated_mib = g.memory_mib;
-                }
-            }
-        }
-    }
+    let taken = list.iter().map(|r| subtract(node, r)).sum();
     if list.is_empty() {
         nodes.remove(&node.name);
+    }
+    taken
+}
+
+/// Takes what `r` holds out of `node`'s free memory; returns the MiB taken.
+pub fn subtract(node: &mut NodeState, r: &Reservation) -> u64 {
+    let mut taken = 0;
+    for (p, uuid) in &r.gpus {
+        // Match by UUID: positions only hold while the node's GPU list is the same.
+        let Some(g) = node.gpus.get_mut(*p).filter(|g| g.uuid == *uuid) else {
+            continue;
+        };
+        match r.mib {
+            Some(m) => {
+                g.allocated_mib = g.allocated_mib.saturating_add(m).min(g.memory_mib);
+                taken += m;
+            }
+            None => {
+                taken += g.free_mib();
+                g.whole = true;
+                g.allocated_mib = g.memory_mib;
+            }
+        }
     }
     taken
 }

@@ -468,6 +468,59 @@ impl Scorer {
         }
     }
 
+    /// Binds other replicas made to `node` that its usage annotation does not show yet: pods the pod
+    /// cache sees bound there, carrying `gpumem.io/assigned-gpus` from within the ledger's TTL, that
+    /// this replica's ledger does not hold. Replicas share no state; this is how one sees the others'
+    /// recent binds before the agent reports them.
+    fn other_replicas_binds(&self, node: &NodeState) -> Vec<Reservation> {
+        let Some(pods) = &self.pods else { return Vec::new() };
+        let ttl = self.config.ledger_ttl_seconds;
+        let now = k8s_openapi::jiff::Timestamp::now();
+        pods.on_node(&node.name)
+            .iter()
+            .filter_map(|pod| {
+                let uuids = state::assigned_gpus(pod);
+                let at: k8s_openapi::jiff::Timestamp = pod
+                    .metadata
+                    .annotations
+                    .as_ref()?
+                    .get(ASSIGNED_AT_ANNOTATION)?
+                    .parse()
+                    .ok()?;
+                let age = now.duration_since(at).as_secs();
+                let d = state::pod_demand(pod, &self.rules).ok()??;
+                let visible = node.gpus.iter().any(|g| g.pods.contains(&d.key));
+                if uuids.is_empty()
+                    || age < 0
+                    || age as u64 >= ttl
+                    || visible
+                    || self.ledger.holds(&node.name, &d.key)
+                {
+                    return None;
+                }
+                let gpus: Vec<(usize, String)> = uuids
+                    .iter()
+                    .filter_map(|u| {
+                        node.gpus
+                            .iter()
+                            .position(|g| g.uuid == *u)
+                            .map(|p| (p, u.clone()))
+                    })
+                    .collect();
+                let mib = match d.demand {
+                    state::Demand::Memory { .. } => Some(d.memory_mib(node.unit_mib)),
+                    state::Demand::Whole { .. } => None,
+                };
+                Some(Reservation {
+                    pod: d.key,
+                    gpus,
+                    mib,
+                    at: std::time::Instant::now(),
+                })
+            })
+            .collect()
+    }
+
     async fn bind_inner(&self, args: &ExtenderBindingArgs) -> Result<(), String> {
         let client = self
             .client
@@ -497,6 +550,9 @@ impl Scorer {
         let mut reserved: Option<Reservation> = None;
         if let Some(d) = &demand {
             let mut node = self.node_state(&args.node).await?;
+            for r in self.other_replicas_binds(&node) {
+                ledger::subtract(&mut node, &r);
+            }
             let config = &self.config;
             let r = self.ledger.reserve(&mut node, |n| {
                 let fit = decide::check(n, d).map_err(|r| format!("node {}: {}", n.name, r.reason))?;
