@@ -121,20 +121,7 @@ impl Policy for Fgd {
                 .first()
                 .map_or(1000.0, |g| f64::from(g.capacity.max(1)));
             let score = (sigmoid((f0 - f1) / unit) * 100.0).trunc();
-            match out.last_mut() {
-                // Same node, another GPU: keep the first best (strictly greater replaces).
-                Some(last) if last.node == i as u32 => {
-                    if score > last.score {
-                        last.score = score;
-                        last.gpus = gpus;
-                    }
-                }
-                _ => out.push(Candidate {
-                    node: i as u32,
-                    score,
-                    gpus,
-                }),
-            }
+            Candidate::keep_best(out, i as u32, score, gpus);
         });
     }
 }

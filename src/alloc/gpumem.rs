@@ -345,19 +345,7 @@ impl Policy for Gpumem {
                 let g1 = frag_after(m, n, nf, sm, req, gpus, fit, small);
                 score -= o.fill_tie * (g1 - g0) / unit;
             }
-            match out.last_mut() {
-                Some(last) if last.node == i as u32 => {
-                    if score > last.score {
-                        last.score = score;
-                        last.gpus = gpus;
-                    }
-                }
-                _ => out.push(Candidate {
-                    node: i as u32,
-                    score,
-                    gpus,
-                }),
-            }
+            Candidate::keep_best(out, i as u32, score, gpus);
         });
     }
 }

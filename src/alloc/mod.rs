@@ -512,6 +512,22 @@ pub struct Candidate {
     pub gpus: GpuMask,
 }
 
+impl Candidate {
+    /// Adds a scored GPU choice on `node` to `out`, where one node's choices arrive one after another:
+    /// the node's best choice is kept (the first of equals: only a strictly greater score replaces).
+    pub fn keep_best(out: &mut Vec<Candidate>, node: u32, score: f64, gpus: GpuMask) {
+        match out.last_mut() {
+            Some(last) if last.node == node => {
+                if score > last.score {
+                    last.score = score;
+                    last.gpus = gpus;
+                }
+            }
+            _ => out.push(Candidate { node, score, gpus }),
+        }
+    }
+}
+
 /// A placement policy. Implementations may keep caches between calls (hence `&mut self`), but their
 /// answer depends only on the cluster state, the request and the RNG.
 pub trait Policy: Send {
