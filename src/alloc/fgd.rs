@@ -6,7 +6,7 @@
 use rand::Rng;
 
 use super::frag::{FragCache, FragModel, frag_after};
-use super::{Candidate, Cluster, GpuDemand, GpuMask, Policy, Request};
+use super::{Candidate, Cluster, GpuDemand, GpuMask, Policy, Request, indices};
 
 pub(crate) fn sigmoid(x: f64) -> f64 {
     1.0 / (1.0 + (-x).exp())
@@ -19,6 +19,8 @@ pub(crate) struct Evaluator {
     pub cache: FragCache,
     fit: Vec<u32>,
     small: Vec<u64>,
+    /// Scratch: one node's placements.
+    masks: Vec<GpuMask>,
 }
 
 impl Evaluator {
@@ -29,66 +31,70 @@ impl Evaluator {
             cache: FragCache::default(),
             fit: vec![0; d],
             small: vec![0; d],
+            masks: Vec::new(),
         }
     }
 
-    /// Calls `visit(node, frag_before, gpus, frag_after)` for each feasible node and each distinct
-    /// placement on it (shared: one per distinct free amount among fitting GPUs, lowest index first;
-    /// whole: the first idle GPUs; none: one).
+    /// Brings the cache up to date for `nodes` (indices into `cluster.nodes`).
+    pub fn sync(&mut self, cluster: &Cluster, nodes: impl Iterator<Item = usize> + Clone) {
+        self.cache.sync(&self.model, cluster, nodes);
+    }
+
+    /// Calls `visit(node, frag_before, gpus, frag_after)` for each feasible node of `nodes` (indices
+    /// into `cluster.nodes`) and each of its placements ([`Evaluator::placements`]).
     pub fn for_each_placement(
         &mut self,
         cluster: &Cluster,
+        nodes: impl Iterator<Item = usize> + Clone,
         req: &Request,
         mut visit: impl FnMut(usize, f64, GpuMask, f64),
     ) {
-        self.cache.sync(&self.model, cluster);
-        for (i, n) in cluster.nodes.iter().enumerate() {
-            if !n.fits(req) {
-                continue;
+        self.sync(cluster, nodes.clone());
+        for i in nodes {
+            if cluster.nodes[i].fits(req) {
+                self.placements(cluster, i, req, |f0, gpus, f1| visit(i, f0, gpus, f1));
             }
-            let (nf, sm, f0) = self.cache.node(i);
-            match req.gpu {
-                GpuDemand::Shared { amount } => {
-                    let mut seen = [0u32; 8];
-                    let mut n_seen = 0usize;
-                    for (g, gpu) in n.gpus.iter().enumerate() {
-                        if gpu.free < amount {
-                            continue;
-                        }
-                        if seen[..n_seen].contains(&gpu.free) {
-                            continue;
-                        }
-                        if n_seen < seen.len() {
-                            seen[n_seen] = gpu.free;
-                            n_seen += 1;
-                        }
-                        let mask = GpuMask::single(g);
-                        let f1 =
-                            frag_after(&self.model, n, nf, sm, req, mask, &mut self.fit, &mut self.small);
-                        visit(i, f0, mask, f1);
+        }
+    }
+
+    /// Calls `visit(frag_before, gpus, frag_after)` for each distinct placement of `req` on node `i`,
+    /// which must fit it and be synced in `cache` (shared: one per distinct free amount among fitting
+    /// GPUs, lowest index first; whole: the first idle GPUs; none: one).
+    pub fn placements(
+        &mut self,
+        cluster: &Cluster,
+        i: usize,
+        req: &Request,
+        mut visit: impl FnMut(f64, GpuMask, f64),
+    ) {
+        let n = &cluster.nodes[i];
+        // The placements first, then one evaluation loop (one call site keeps `frag_after` inlined).
+        self.masks.clear();
+        match req.gpu {
+            GpuDemand::Shared { amount } => {
+                let mut seen = [0u32; 8];
+                let mut n_seen = 0usize;
+                for (g, gpu) in n.gpus.iter().enumerate() {
+                    if gpu.free < amount {
+                        continue;
                     }
-                }
-                GpuDemand::Whole { count } => {
-                    if let Some(mask) = n.first_idle(count) {
-                        let f1 =
-                            frag_after(&self.model, n, nf, sm, req, mask, &mut self.fit, &mut self.small);
-                        visit(i, f0, mask, f1);
+                    if seen[..n_seen].contains(&gpu.free) {
+                        continue;
                     }
-                }
-                GpuDemand::None => {
-                    let f1 = frag_after(
-                        &self.model,
-                        n,
-                        nf,
-                        sm,
-                        req,
-                        GpuMask::EMPTY,
-                        &mut self.fit,
-                        &mut self.small,
-                    );
-                    visit(i, f0, GpuMask::EMPTY, f1);
+                    if n_seen < seen.len() {
+                        seen[n_seen] = gpu.free;
+                        n_seen += 1;
+                    }
+                    self.masks.push(GpuMask::single(g));
                 }
             }
+            GpuDemand::Whole { count } => self.masks.extend(n.first_idle(count)),
+            GpuDemand::None => self.masks.push(GpuMask::EMPTY),
+        }
+        let (nf, sm, f0) = self.cache.node(i);
+        for &mask in &self.masks {
+            let f1 = frag_after(&self.model, n, nf, sm, req, mask, &mut self.fit, &mut self.small);
+            visit(f0, mask, f1);
         }
     }
 }
@@ -105,6 +111,26 @@ impl Fgd {
             eval: Evaluator::new(model),
         }
     }
+
+    /// [`Policy::score_nodes`] for any iterator of node indices ([`Policy::score`]: all of them).
+    fn score_indices(
+        &mut self,
+        cluster: &Cluster,
+        nodes: impl Iterator<Item = usize> + Clone,
+        req: &Request,
+        out: &mut Vec<Candidate>,
+    ) {
+        out.clear();
+        self.eval
+            .for_each_placement(cluster, nodes, req, |i, f0, gpus, f1| {
+                let unit = cluster.nodes[i]
+                    .gpus
+                    .first()
+                    .map_or(1000.0, |g| f64::from(g.capacity.max(1)));
+                let score = (sigmoid((f0 - f1) / unit) * 100.0).trunc();
+                Candidate::keep_best(out, i as u32, score, gpus);
+            });
+    }
 }
 
 impl Policy for Fgd {
@@ -113,16 +139,18 @@ impl Policy for Fgd {
     }
 
     fn score(&mut self, cluster: &Cluster, req: &Request, _rng: &mut dyn Rng, out: &mut Vec<Candidate>) {
-        out.clear();
-        let nodes = &cluster.nodes;
-        self.eval.for_each_placement(cluster, req, |i, f0, gpus, f1| {
-            let unit = nodes[i]
-                .gpus
-                .first()
-                .map_or(1000.0, |g| f64::from(g.capacity.max(1)));
-            let score = (sigmoid((f0 - f1) / unit) * 100.0).trunc();
-            Candidate::keep_best(out, i as u32, score, gpus);
-        });
+        self.score_indices(cluster, 0..cluster.nodes.len(), req, out);
+    }
+
+    fn score_nodes(
+        &mut self,
+        cluster: &Cluster,
+        nodes: &[u32],
+        req: &Request,
+        _rng: &mut dyn Rng,
+        out: &mut Vec<Candidate>,
+    ) {
+        self.score_indices(cluster, indices(nodes), req, out);
     }
 }
 

@@ -14,7 +14,7 @@
 
 use std::collections::HashMap;
 
-use super::{Cluster, GpuDemand, ModelId, ModelSet, ModelTable, Node, Request};
+use super::{Cluster, Gpu, GpuDemand, ModelId, ModelSet, ModelTable, Node, Request};
 
 /// One typical task type and its popularity (the popularities of a mix sum to 1).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -397,70 +397,141 @@ impl FragModel {
     }
 }
 
+/// What a cache entry was computed from: everything of a node that the measure and the policies
+/// read, except its GPUs (kept apart, `stride` per node).
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+struct NodeKey {
+    cpu_free: u64,
+    memory_free: u64,
+    gpus: u32,
+    model: ModelId,
+}
+
+impl NodeKey {
+    fn of(node: &Node) -> NodeKey {
+        NodeKey {
+            cpu_free: node.cpu_free,
+            memory_free: node.memory_free,
+            gpus: node.gpus.len() as u32,
+            model: node.model,
+        }
+    }
+}
+
 /// Per-node summaries and fragmentation, kept between decisions and recomputed only for nodes whose
 /// state changed (checked by content, so the cache cannot go stale whoever mutates the cluster).
 #[derive(Debug, Clone, Default)]
 pub struct FragCache {
     d: usize,
-    stride: usize,
-    valid: Vec<bool>,
-    key_cpu: Vec<u64>,
-    key_mem: Vec<u64>,
-    key_frees: Vec<u32>,
+    /// Recomputations so far; never reset, so an epoch is never reused.
+    recomputed: u64,
+    /// Per node: the value of `recomputed` when its entry was computed (0: never).
+    epoch: Vec<u64>,
     n_fit: Vec<u32>,
     small: Vec<u64>,
     frag: Vec<f64>,
+    /// Content keys ([`FragCache::sync`]): per node, and its GPUs `stride` per node.
+    key: Vec<NodeKey>,
+    stride: usize,
+    key_gpus: Vec<Gpu>,
+    /// Per node, the leader's epoch the entry was computed at ([`FragCache::follow`]).
+    followed: Vec<u64>,
 }
 
 impl FragCache {
-    /// Brings the cache up to date with `cluster`.
-    pub fn sync(&mut self, model: &FragModel, cluster: &Cluster) {
+    /// Brings the entries of `nodes` (indices into `cluster.nodes`) up to date; the others are left as
+    /// they are, to be checked when next asked for.
+    pub fn sync(&mut self, model: &FragModel, cluster: &Cluster, nodes: impl Iterator<Item = usize> + Clone) {
         let n = cluster.nodes.len();
-        let stride = cluster.nodes.iter().map(|x| x.gpus.len()).max().unwrap_or(0);
-        if self.valid.len() != n || self.stride != stride || self.d != model.classes() {
-            self.d = model.classes();
-            self.stride = stride;
-            self.valid = vec![false; n];
-            self.key_cpu = vec![0; n];
-            self.key_mem = vec![0; n];
-            self.key_frees = vec![0; n * stride];
-            self.n_fit = vec![0; n * self.d];
-            self.small = vec![0; n * self.d];
-            self.frag = vec![0.0; n];
+        self.fit(model, n);
+        // The GPU keys are laid out `stride` per node: a node with more GPUs than any before lays them
+        // out anew (and every entry is recomputed).
+        let widest = nodes
+            .clone()
+            .map(|i| cluster.nodes[i].gpus.len())
+            .max()
+            .unwrap_or(0);
+        if widest > self.stride {
+            self.stride = widest;
+            self.key_gpus.clear();
+            self.epoch.fill(0);
         }
-        for (i, node) in cluster.nodes.iter().enumerate() {
-            let keys = &mut self.key_frees[i * stride..i * stride + node.gpus.len()];
-            let same = self.valid[i]
-                && self.key_cpu[i] == node.cpu_free
-                && self.key_mem[i] == node.memory_free
-                && keys.iter().zip(&node.gpus).all(|(k, g)| *k == g.free);
-            if same {
+        self.key.resize(n, NodeKey::default());
+        self.key_gpus.resize(n * self.stride, Gpu::new(0));
+        for i in nodes {
+            let node = &cluster.nodes[i];
+            let key = NodeKey::of(node);
+            let gpus = &mut self.key_gpus[i * self.stride..i * self.stride + node.gpus.len()];
+            // Branch-free over the GPUs: most nodes are unchanged, so every GPU is compared anyway.
+            let differ = gpus
+                .iter()
+                .zip(&node.gpus)
+                .fold(0, |d, (k, g)| d | (k.free ^ g.free) | (k.capacity ^ g.capacity));
+            if self.epoch[i] != 0 && self.key[i] == key && differ == 0 {
                 continue;
             }
-            for (k, g) in keys.iter_mut().zip(&node.gpus) {
-                *k = g.free;
-            }
-            self.key_cpu[i] = node.cpu_free;
-            self.key_mem[i] = node.memory_free;
-            let (nf, sm) = (
-                &mut self.n_fit[i * self.d..(i + 1) * self.d],
-                &mut self.small[i * self.d..(i + 1) * self.d],
-            );
-            model.summarize(node, nf, sm);
-            let cap = node.gpus.first().map_or(0, |g| g.capacity);
-            self.frag[i] = model.eval(
-                node.model,
-                node.cpu_free,
-                node.memory_free,
-                node.gpu_free_total(),
-                cap,
-                |c| (nf[c], sm[c]),
-            );
-            self.valid[i] = true;
+            gpus.copy_from_slice(&node.gpus);
+            self.key[i] = key;
+            self.recompute(model, i, node);
         }
     }
 
-    /// Summary and fragmentation of node `i` (after [`FragCache::sync`]).
+    /// [`FragCache::sync`] for a second model over the same nodes, without repeating the content
+    /// check: a node is recomputed exactly when `leader` (synced first, over the same `nodes`)
+    /// recomputed it since.
+    pub fn follow(
+        &mut self,
+        model: &FragModel,
+        cluster: &Cluster,
+        nodes: impl Iterator<Item = usize>,
+        leader: &FragCache,
+    ) {
+        self.fit(model, cluster.nodes.len());
+        self.followed.resize(cluster.nodes.len(), 0);
+        for i in nodes {
+            if self.epoch[i] != 0 && self.followed[i] == leader.epoch(i) {
+                continue;
+            }
+            self.followed[i] = leader.epoch(i);
+            self.recompute(model, i, &cluster.nodes[i]);
+        }
+    }
+
+    /// Sizes the entries for `n` nodes: nodes added or dropped since the last call, the others keep
+    /// their entries.
+    fn fit(&mut self, model: &FragModel, n: usize) {
+        if self.d != model.classes() {
+            self.d = model.classes();
+            self.epoch.clear();
+            self.n_fit.clear();
+            self.small.clear();
+        }
+        self.epoch.resize(n, 0);
+        self.n_fit.resize(n * self.d, 0);
+        self.small.resize(n * self.d, 0);
+        self.frag.resize(n, 0.0);
+    }
+
+    fn recompute(&mut self, model: &FragModel, i: usize, node: &Node) {
+        let (nf, sm) = (
+            &mut self.n_fit[i * self.d..(i + 1) * self.d],
+            &mut self.small[i * self.d..(i + 1) * self.d],
+        );
+        model.summarize(node, nf, sm);
+        let cap = node.gpus.first().map_or(0, |g| g.capacity);
+        self.frag[i] = model.eval(
+            node.model,
+            node.cpu_free,
+            node.memory_free,
+            node.gpu_free_total(),
+            cap,
+            |c| (nf[c], sm[c]),
+        );
+        self.recomputed += 1;
+        self.epoch[i] = self.recomputed;
+    }
+
+    /// Summary and fragmentation of node `i` (after [`FragCache::sync`] of `i`).
     #[inline]
     pub fn node(&self, i: usize) -> (&[u32], &[u64], f64) {
         (
@@ -468,6 +539,13 @@ impl FragCache {
             &self.small[i * self.d..(i + 1) * self.d],
             self.frag[i],
         )
+    }
+
+    /// Which content node `i`'s entry was computed from (after [`FragCache::sync`] of `i`): equal
+    /// epochs mean the node's cpu, memory, model and GPUs are unchanged in between.
+    #[inline]
+    pub fn epoch(&self, i: usize) -> u64 {
+        self.epoch[i]
     }
 }
 
@@ -649,12 +727,69 @@ mod tests {
             vec![node("a", 64_000, &[1000, 1000]), node("b", 64_000, &[300])],
         );
         let mut cache = FragCache::default();
-        cache.sync(&m, &c);
+        cache.sync(&m, &c, 0..2);
         assert_eq!(cache.node(1).2, 300.0);
+        let (e0, e1) = (cache.epoch(0), cache.epoch(1));
         c.nodes[0].gpus[0].free = 200;
         c.nodes.push(Node::new("c", 0, 1000, 1000, vec![Gpu::new(1000)]));
-        cache.sync(&m, &c);
+        cache.sync(&m, &c, 0..3);
         assert_eq!(cache.node(0).2, 200.0);
         assert_eq!(cache.node(2).2, 0.0);
+        assert_ne!(cache.epoch(0), e0, "node 0 changed");
+        assert_eq!(cache.epoch(1), e1, "node 1 did not");
+        // A node that is not listed is left alone until it is.
+        c.nodes[1].gpus[0].free = 1000;
+        cache.sync(&m, &c, [0, 2].into_iter());
+        assert_eq!((cache.node(1).2, cache.epoch(1)), (300.0, e1));
+        cache.sync(&m, &c, 1..2);
+        assert_eq!(cache.node(1).2, 0.0);
+        // Capacity and model are content too (a node re-registered under the same name).
+        let e2 = cache.epoch(2);
+        c.nodes[2].gpus[0].capacity = 2000;
+        cache.sync(&m, &c, 2..3);
+        assert_ne!(cache.epoch(2), e2);
+        let e2 = cache.epoch(2);
+        c.nodes[2].model = 1;
+        cache.sync(&m, &c, 2..3);
+        assert_ne!(cache.epoch(2), e2);
+        // A wider node lays the cache out anew; every entry is then recomputed under a fresh epoch.
+        let e0 = cache.epoch(0);
+        c.nodes.push(node("d", 64_000, &[1000; 4]));
+        cache.sync(&m, &c, 0..4);
+        assert!(cache.epoch(0) > e0);
+        assert_eq!((cache.node(0).2, cache.node(3).2), (200.0, 0.0));
+    }
+
+    #[test]
+    fn a_follower_recomputes_exactly_when_its_leader_does() {
+        let x = mix(&[(4000, GpuDemand::Shared { amount: 500 }, 1.0)]);
+        let (lead_model, fill_model) = (
+            FragModel::new(&x, &models(), false),
+            FragModel::new(&x, &models(), true).fill(true),
+        );
+        let mut c = Cluster::new(
+            models(),
+            vec![node("a", 64_000, &[1000, 700]), node("b", 2000, &[300])],
+        );
+        let (mut lead, mut follower, mut own) =
+            (FragCache::default(), FragCache::default(), FragCache::default());
+        let mut sync = |c: &Cluster, nodes: &[usize]| {
+            lead.sync(&lead_model, c, nodes.iter().copied());
+            follower.follow(&fill_model, c, nodes.iter().copied(), &lead);
+            own.sync(&fill_model, c, nodes.iter().copied());
+            for &i in nodes {
+                assert_eq!(follower.node(i), own.node(i), "node {i}");
+            }
+            (0..c.nodes.len()).map(|i| follower.epoch(i)).collect::<Vec<_>>()
+        };
+        let e = sync(&c, &[0, 1]);
+        c.nodes[1].cpu_free = 8000;
+        let f = sync(&c, &[1]);
+        assert!(f[0] == e[0] && f[1] != e[1]);
+        c.nodes[0].gpus[1].free = 200;
+        c.nodes.push(node("c", 64_000, &[1000]));
+        let g = sync(&c, &[0, 2]);
+        assert!(g[0] != f[0] && g[1] == f[1] && g[2] != 0);
+        assert_eq!(sync(&c, &[0, 1, 2]), g, "nothing changed");
     }
 }

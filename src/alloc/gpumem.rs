@@ -27,7 +27,7 @@ use rand::Rng;
 
 use super::fgd::Evaluator;
 use super::frag::{FragCache, FragModel, TypicalMix, TypicalType, frag_after};
-use super::{Candidate, Cluster, Policy, Request};
+use super::{Candidate, Cluster, GpuMask, Policy, Request, indices};
 
 /// Tuning knobs. The defaults (`ft=0.001:rv=12:rx=2:sc=10:dyn=1`, FGD's sigmoid score) are what
 /// `gpumem simulate` measures as "gpumem" and what the scorer runs.
@@ -160,6 +160,114 @@ pub fn pressure(mix: &TypicalMix, cluster: &Cluster) -> Vec<f64> {
         .collect()
 }
 
+/// The node-local parts of one placement's score: all but the scarcity term, whose pressure follows
+/// the whole cluster.
+#[derive(Debug, Clone, Copy, Default)]
+struct Piece {
+    gpus: GpuMask,
+    /// FGD's gain less the packing term.
+    base: f64,
+    /// GPU units taken (what the scarcity term charges for).
+    taken: f64,
+    /// The fill tie-breaker's term.
+    fill: f64,
+}
+
+/// What a node's memo entry was computed from: the node's content, as the main cache's epoch names it
+/// (the fill cache follows it, so it recomputes exactly then too), and the request.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+struct Stamp {
+    epoch: u64,
+    req: u64,
+}
+
+/// Where node `i`'s memo entry is in [`Memo::pieces`], and what it was computed from.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+struct Head {
+    stamp: Stamp,
+    start: usize,
+    /// 0: the node cannot host the request.
+    len: usize,
+}
+
+/// The placements of the last request on each node, replayed while neither the request nor the node
+/// changes: a scorer asks the same request of a mostly unchanged cluster again and again (filter,
+/// prioritize, the replicas of one workload). Entries are appended to flat arrays (no allocation per
+/// node); a node that changes appends a new one, and the arrays are compacted when mostly garbage.
+#[derive(Debug, Clone, Default)]
+struct Memo {
+    /// The request of the entries and its number, bumped when it changes (which voids every entry).
+    req: Option<Request>,
+    req_no: u64,
+    /// `u64` words per placement in `broken`.
+    words: usize,
+    heads: Vec<Head>,
+    pieces: Vec<Piece>,
+    /// Per placement: the reserve types it breaks (bit k: `Gpumem::reserve[k]`), `words` words.
+    broken: Vec<u64>,
+    /// Placements in entries for the current request; the rest of `pieces` is garbage.
+    live: usize,
+    /// Scratch for compaction.
+    spare: (Vec<Piece>, Vec<u64>),
+}
+
+impl Memo {
+    /// Prepares for `req` on a cluster of `n` nodes.
+    fn begin(&mut self, req: &Request, n: usize) {
+        if self.req != Some(*req) {
+            self.req = Some(*req);
+            self.req_no += 1;
+            self.pieces.clear();
+            self.broken.clear();
+            self.live = 0;
+        }
+        // Nodes added or dropped: the others keep their entries (their stamps still check content).
+        for h in self.heads.iter().skip(n) {
+            self.live -= self.live_len(h);
+        }
+        self.heads.resize(n, Head::default());
+        // Once the garbage outweighs the live entries and the nodes, a compaction (which costs both)
+        // is paid for by as many appends.
+        if self.pieces.len() > 2 * self.live + n {
+            self.compact();
+        }
+    }
+
+    /// The placements entry `h` keeps live in `pieces` (none when it is for an earlier request).
+    fn live_len(&self, h: &Head) -> usize {
+        if h.stamp.req == self.req_no { h.len } else { 0 }
+    }
+
+    /// Sets node `i`'s entry to the placements appended since `start`.
+    fn set(&mut self, i: usize, stamp: Stamp, start: usize) {
+        let old = std::mem::replace(
+            &mut self.heads[i],
+            Head {
+                stamp,
+                start,
+                len: self.pieces.len() - start,
+            },
+        );
+        self.live = self.live + self.heads[i].len - self.live_len(&old);
+    }
+
+    /// Drops the garbage: copies the current entries, in node order, to the spare arrays.
+    fn compact(&mut self) {
+        let (pieces, broken) = &mut self.spare;
+        pieces.clear();
+        broken.clear();
+        let w = self.words;
+        for h in self.heads.iter_mut().filter(|h| h.stamp.req == self.req_no) {
+            let start = pieces.len();
+            pieces.extend_from_slice(&self.pieces[h.start..h.start + h.len]);
+            broken.extend_from_slice(&self.broken[h.start * w..(h.start + h.len) * w]);
+            h.start = start;
+        }
+        std::mem::swap(&mut self.pieces, pieces);
+        std::mem::swap(&mut self.broken, broken);
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct Gpumem {
     eval: Evaluator,
@@ -175,6 +283,7 @@ pub struct Gpumem {
     now: Vec<f64>,
     /// Capacity per model.
     model_cap: Vec<f64>,
+    memo: Memo,
 }
 
 impl Gpumem {
@@ -243,7 +352,12 @@ impl Gpumem {
                 *c += node.gpu_capacity_total() as f64;
             }
         }
+        let memo = Memo {
+            words: reserve.len().div_ceil(64),
+            ..Memo::default()
+        };
         Gpumem {
+            memo,
             now: pressure.clone(),
             model_cap,
             pressure,
@@ -260,7 +374,8 @@ impl Gpumem {
     /// Scales each model's pressure by how fast it fills: `pressure x (free share of the cluster) /
     /// (free share of the model)`, so a scarce model that runs out first grows dearer.
     fn update_pressure(&mut self, cluster: &Cluster) {
-        if self.pressure.is_empty() {
+        // Without restricted task types every pressure is 0 whatever is free: no need to scan.
+        if self.pressure.iter().all(|&p| p == 0.0) {
             return;
         }
         let mut free = vec![0.0f64; self.pressure.len()];
@@ -281,6 +396,126 @@ impl Gpumem {
             };
         }
     }
+
+    /// [`Policy::score_nodes`] for any iterator of node indices ([`Policy::score`]: all of them).
+    fn score_indices(
+        &mut self,
+        cluster: &Cluster,
+        nodes: impl Iterator<Item = usize> + Clone,
+        req: &Request,
+        out: &mut Vec<Candidate>,
+    ) {
+        out.clear();
+        if self.opts.dynamic {
+            self.update_pressure(cluster);
+        }
+        self.eval.sync(cluster, nodes.clone());
+        if let Some((m, cache, _, _)) = self.second.as_mut() {
+            cache.follow(m, cluster, nodes.clone(), &self.eval.cache);
+        }
+        self.memo.begin(req, cluster.nodes.len());
+        for i in nodes {
+            let stamp = Stamp {
+                epoch: self.eval.cache.epoch(i),
+                req: self.memo.req_no,
+            };
+            if self.memo.heads[i].stamp != stamp {
+                let start = self.memo.pieces.len();
+                self.placements(cluster, i, req);
+                self.memo.set(i, stamp, start);
+            }
+            self.replay(cluster, i, out);
+        }
+    }
+
+    /// Appends the placements of `req` on node `i` (the caches synced) to the memo.
+    fn placements(&mut self, cluster: &Cluster, i: usize, req: &Request) {
+        let n = &cluster.nodes[i];
+        if !n.fits(req) {
+            return;
+        }
+        let (unit, o) = (self.unit, self.opts);
+        let (memo, reserve, second) = (&mut self.memo, &self.reserve, &mut self.second);
+        let node_free = n.gpu_free_total();
+        let idle = n.idle_gpus() as u32;
+        self.eval.placements(cluster, i, req, |f0, gpus, f1| {
+            let taken: u64 = match req.gpu {
+                super::GpuDemand::Shared { amount } => u64::from(amount),
+                _ => gpus.iter().map(|g| u64::from(n.gpus[g].capacity)).sum(),
+            };
+            let chosen_free: u64 = gpus.iter().map(|g| u64::from(n.gpus[g].free)).sum();
+            let gpu_left = (chosen_free - taken) as f64 / unit;
+            let node_left = (node_free - taken) as f64 / unit;
+            let mut gain = -(f1 - f0) / unit;
+            if o.sigmoid {
+                gain = (super::fgd::sigmoid(gain) * 100.0).trunc();
+            } else if o.quantum > 0.0 {
+                gain = (gain / o.quantum).floor() * o.quantum;
+            }
+            let at = memo.broken.len();
+            memo.broken.resize(at + memo.words, 0);
+            let broken = &mut memo.broken[at..];
+            let idle_after = idle - gpus.iter().filter(|&g| n.gpus[g].is_idle()).count() as u32;
+            for (k, (t, _)) in reserve.iter().enumerate() {
+                let need = t.gpu.gpus_needed();
+                let able =
+                    |cpu: u64, mem: u64, idle: u32| cpu >= t.cpu_milli && mem >= t.memory_mib && idle >= need;
+                if t.models.is_none_or(|m| m.contains(n.model))
+                    && able(n.cpu_free, n.memory_free, idle)
+                    && !able(
+                        n.cpu_free - req.cpu_milli,
+                        n.memory_free - req.memory_mib,
+                        idle_after,
+                    )
+                {
+                    broken[k / 64] |= 1 << (k % 64);
+                }
+            }
+            let fill = second.as_mut().map_or(0.0, |(m, cache, fit, small)| {
+                let (nf, sm, g0) = cache.node(i);
+                let g1 = frag_after(m, n, nf, sm, req, gpus, fit, small);
+                o.fill_tie * (g1 - g0) / unit
+            });
+            memo.pieces.push(Piece {
+                gpus,
+                base: gain - o.pack * (gpu_left + 1e-3 * node_left),
+                taken: taken as f64,
+                fill,
+            });
+        });
+    }
+
+    /// Scores node `i`'s memoized placements into `out`: the node-local parts plus this decision's
+    /// scarcity, in the order the terms were always added (so the sums are the same to the bit).
+    fn replay(&self, cluster: &Cluster, i: usize, out: &mut Vec<Candidate>) {
+        let memo = &self.memo;
+        let Head { start, len, .. } = memo.heads[i];
+        if len == 0 {
+            return;
+        }
+        let pressure = self.now.get(cluster.nodes[i].model as usize);
+        for k in start..start + len {
+            let piece = memo.pieces[k];
+            let mut score = piece.base;
+            if let Some(p) = pressure {
+                score -= p * piece.taken / self.unit;
+            }
+            for (w, &word) in memo.broken[k * memo.words..(k + 1) * memo.words]
+                .iter()
+                .enumerate()
+            {
+                let mut bits = word;
+                while bits != 0 {
+                    score -= self.reserve[w * 64 + bits.trailing_zeros() as usize].1;
+                    bits &= bits - 1;
+                }
+            }
+            if self.second.is_some() {
+                score -= piece.fill;
+            }
+            Candidate::keep_best(out, i as u32, score, piece.gpus);
+        }
+    }
 }
 
 impl Policy for Gpumem {
@@ -289,64 +524,18 @@ impl Policy for Gpumem {
     }
 
     fn score(&mut self, cluster: &Cluster, req: &Request, _rng: &mut dyn Rng, out: &mut Vec<Candidate>) {
-        out.clear();
-        let nodes = &cluster.nodes;
-        let unit = self.unit;
-        let o = self.opts;
-        if o.dynamic {
-            self.update_pressure(cluster);
-        }
-        let mut second = self.second.as_mut();
-        if let Some((m, cache, _, _)) = second.as_mut() {
-            cache.sync(m, cluster);
-        }
-        let now = &self.now;
-        self.eval.for_each_placement(cluster, req, |i, f0, gpus, f1| {
-            let n = &nodes[i];
-            let taken: u64 = match req.gpu {
-                super::GpuDemand::Shared { amount } => u64::from(amount),
-                _ => gpus.iter().map(|g| u64::from(n.gpus[g].capacity)).sum(),
-            };
-            let chosen_free: u64 = gpus.iter().map(|g| u64::from(n.gpus[g].free)).sum();
-            let gpu_left = (chosen_free - taken) as f64 / unit;
-            let node_left = (n.gpu_free_total() - taken) as f64 / unit;
-            let mut gain = -(f1 - f0) / unit;
-            if o.sigmoid {
-                gain = (super::fgd::sigmoid(gain) * 100.0).trunc();
-            } else if o.quantum > 0.0 {
-                gain = (gain / o.quantum).floor() * o.quantum;
-            }
-            let mut score = gain - o.pack * (gpu_left + 1e-3 * node_left);
-            if let Some(p) = now.get(n.model as usize) {
-                score -= p * taken as f64 / unit;
-            }
-            if !self.reserve.is_empty() {
-                let idle = n.idle_gpus() as u32;
-                let idle_after = idle - gpus.iter().filter(|&g| n.gpus[g].is_idle()).count() as u32;
-                for (t, w) in &self.reserve {
-                    let k = t.gpu.gpus_needed();
-                    let able = |cpu: u64, mem: u64, idle: u32| {
-                        cpu >= t.cpu_milli && mem >= t.memory_mib && idle >= k
-                    };
-                    if t.models.is_none_or(|m| m.contains(n.model))
-                        && able(n.cpu_free, n.memory_free, idle)
-                        && !able(
-                            n.cpu_free - req.cpu_milli,
-                            n.memory_free - req.memory_mib,
-                            idle_after,
-                        )
-                    {
-                        score -= w;
-                    }
-                }
-            }
-            if let Some((m, cache, fit, small)) = second.as_mut() {
-                let (nf, sm, g0) = cache.node(i);
-                let g1 = frag_after(m, n, nf, sm, req, gpus, fit, small);
-                score -= o.fill_tie * (g1 - g0) / unit;
-            }
-            Candidate::keep_best(out, i as u32, score, gpus);
-        });
+        self.score_indices(cluster, 0..cluster.nodes.len(), req, out);
+    }
+
+    fn score_nodes(
+        &mut self,
+        cluster: &Cluster,
+        nodes: &[u32],
+        req: &Request,
+        _rng: &mut dyn Rng,
+        out: &mut Vec<Candidate>,
+    ) {
+        self.score_indices(cluster, indices(nodes), req, out);
     }
 }
 
@@ -354,8 +543,9 @@ impl Policy for Gpumem {
 mod tests {
     use super::super::fgd::Fgd;
     use super::super::testutil::*;
-    use super::super::{Gpu, GpuDemand, GpuMask, ModelSet, Node};
+    use super::super::{Gpu, GpuDemand, ModelSet, Node, TieBreak, select};
     use super::*;
+    use rand::RngExt;
 
     fn mix() -> TypicalMix {
         let t = |cpu_milli, gpu, popularity| TypicalType {
@@ -569,6 +759,141 @@ mod tests {
         let mut fixed = Gpumem::with_options(&m, &c, Options::parse("dyn=0").expect("valid"));
         fixed.score(&c, &Request::whole(1000, 0, 1), &mut rng(), &mut out);
         assert!((fixed.now[1] - 10.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn memo_gives_bit_for_bit_what_a_fresh_policy_computes() {
+        let mut r = rng();
+        // (requests the mix is drawn from, options, chance that the request changes between calls)
+        for (case, (mix_size, spec, new_req)) in [
+            (150, "", 0.4),
+            (150, "", 0.03),
+            (150, "sig=0:q=0.04:pack=0.01:fgn=1:mem=1", 0.4),
+            (150, "ft=0:dyn=0", 0.4),
+            (150, "rv=0:sc=0", 0.4),
+            (3000, "", 0.4),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let opts = Options::parse(spec).expect("valid spec");
+            let base = random_cluster(&mut r, 12, 6);
+            let reqs: Vec<Request> = (0..mix_size).map(|_| random_request(&mut r)).collect();
+            let mix = TypicalMix::from_requests(&reqs, 0.95);
+            let mut memo = Gpumem::with_options(&mix, &base, opts);
+            let words = if mix_size > 1000 && opts.reserve > 0.0 {
+                2
+            } else {
+                1
+            };
+            assert!(
+                memo.memo.words <= words,
+                "{case}: {} reserve types",
+                memo.reserve.len()
+            );
+            let mut c = base.clone();
+            let pool: Vec<Request> = (0..6).map(|_| random_request(&mut r)).collect();
+            let mut req = pool[0];
+            let (mut a, mut b) = (Vec::new(), Vec::new());
+            let (mut hits, mut compactions) = (0, 0);
+            for step in 0..400 {
+                for _ in 0..r.random_range(1..4) {
+                    match r.random_range(0..10) {
+                        0..=2 => {
+                            let k = r.random_range(0..c.nodes.len());
+                            scramble(&mut r, &mut c.nodes[k]);
+                        }
+                        3 => {
+                            // The last winner, unless this step's other changes took its room.
+                            if let Some(w) = select(&a, TieBreak::Random, &mut r) {
+                                c.allocate(w.node as usize, &req, w.gpus).ok();
+                            }
+                        }
+                        4 if c.nodes.len() < 40 => {
+                            // Up to 8 GPUs: wider than the nodes so far, so the layout grows at some point.
+                            c.nodes.push(random_node(&mut r, c.nodes.len(), 8));
+                        }
+                        5 => c.nodes[r.random_range(0..12)].model ^= 1,
+                        6 if c.nodes.len() > 12 => drop(c.nodes.pop()),
+                        _ => {}
+                    }
+                }
+                if r.random_bool(new_req) {
+                    req = pool[r.random_range(0..pool.len())];
+                }
+                let nodes: Vec<u32> = (0..c.nodes.len() as u32).filter(|_| r.random_bool(0.7)).collect();
+                let before = memo.memo.heads.clone();
+                let (req_no, kept) = (memo.memo.req_no, memo.memo.pieces.len());
+                if r.random_bool(0.8) {
+                    memo.score_nodes(&c, &nodes, &req, &mut rng(), &mut a);
+                } else {
+                    memo.score(&c, &req, &mut rng(), &mut a);
+                    b.clear();
+                }
+                hits += (0..before.len().min(c.nodes.len()))
+                    .filter(|&i| before[i] == memo.memo.heads[i])
+                    .count();
+                compactions += usize::from(memo.memo.req_no == req_no && memo.memo.pieces.len() < kept);
+                Gpumem::with_options(&mix, &base, opts).score(&c, &req, &mut rng(), &mut b);
+                if a.len() != b.len() {
+                    b.retain(|x| nodes.contains(&x.node));
+                }
+                assert_eq!(to_bits(&a), to_bits(&b), "case {case} step {step}: {req:?}");
+            }
+            assert!(
+                hits > 1000,
+                "case {case}: the memo was replayed only {hits} times"
+            );
+            assert!(new_req > 0.1 || compactions > 0, "case {case}: never compacted");
+        }
+    }
+
+    #[test]
+    fn memo_is_replayed_until_its_node_or_the_request_changes() {
+        let mut c = cluster(vec![
+            node("a", 64_000, &[1000, 500]),
+            node("b", 64_000, &[1000, 750]),
+        ]);
+        let req = Request::shared(1000, 0, 250);
+        let mut p = Gpumem::new(&mix(), &c);
+        let mut out = Vec::new();
+        let scores = |p: &mut Gpumem, c: &Cluster, req: &Request, out: &mut Vec<Candidate>| {
+            p.score(c, req, &mut rng(), out);
+            out.iter().map(|x| x.score).collect::<Vec<_>>()
+        };
+        let fresh = scores(&mut p, &c, &req, &mut out);
+        // Mark every memoized placement: a replay shows the mark, a recomputation does not.
+        let mark = |p: &mut Gpumem| p.memo.pieces.iter_mut().for_each(|x| x.base += 1000.0);
+        mark(&mut p);
+        let marked = scores(&mut p, &c, &req, &mut out);
+        assert!(
+            marked
+                .iter()
+                .zip(&fresh)
+                .all(|(m, f)| (m - f - 1000.0).abs() < 1e-9)
+        );
+        // Another request voids every entry.
+        scores(&mut p, &c, &Request::whole(1000, 0, 1), &mut out);
+        assert_eq!(scores(&mut p, &c, &req, &mut out), fresh);
+        // A node that changes voids its own entry only; so does one the main cache keeps apart (model).
+        mark(&mut p);
+        c.nodes[0].cpu_free -= 1000;
+        let now = scores(&mut p, &c, &req, &mut out);
+        assert_eq!(
+            now[0], fresh[0],
+            "recomputed: the CPU does not matter to this measure"
+        );
+        assert!((now[1] - fresh[1] - 1000.0).abs() < 1e-9, "replayed");
+        c.nodes[1].gpus[0].free = 750;
+        let now = scores(&mut p, &c, &req, &mut out);
+        let fresh = scores(&mut Gpumem::new(&mix(), &c), &c, &req, &mut out);
+        assert_eq!(now, fresh);
+        // Scoring other nodes leaves an entry alone.
+        mark(&mut p);
+        p.score_nodes(&c, &[1], &req, &mut rng(), &mut out);
+        assert_eq!(out.iter().map(|x| x.node).collect::<Vec<_>>(), vec![1]);
+        p.score_nodes(&c, &[0], &req, &mut rng(), &mut out);
+        assert!((out[0].score - fresh[0] - 1000.0).abs() < 1e-9);
     }
 
     #[test]

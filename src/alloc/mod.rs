@@ -536,6 +536,30 @@ pub trait Policy: Send {
 
     /// Appends to `out` one [`Candidate`] per node that can host `req` (`out` is cleared first).
     fn score(&mut self, cluster: &Cluster, req: &Request, rng: &mut dyn Rng, out: &mut Vec<Candidate>);
+
+    /// [`Policy::score`] restricted to `nodes` (indices into `cluster.nodes`, ascending, no duplicates):
+    /// the listed nodes get exactly the candidates `score` would give them, the others none. The
+    /// cluster is still the whole view: cluster-wide terms (model scarcity) count every node.
+    ///
+    /// This default scores every node and drops the unlisted ones; policies that are costly per node
+    /// override it to skip them.
+    fn score_nodes(
+        &mut self,
+        cluster: &Cluster,
+        nodes: &[u32],
+        req: &Request,
+        rng: &mut dyn Rng,
+        out: &mut Vec<Candidate>,
+    ) {
+        self.score(cluster, req, rng, out);
+        out.retain(|c| nodes.binary_search(&c.node).is_ok());
+    }
+}
+
+/// `nodes` (as [`Policy::score_nodes`] takes them) as `usize` indices.
+pub(crate) fn indices(nodes: &[u32]) -> impl Iterator<Item = usize> + Clone + '_ {
+    debug_assert!(nodes.windows(2).all(|w| w[0] < w[1]), "node indices must ascend");
+    nodes.iter().map(|&i| i as usize)
 }
 
 /// How [`select`] breaks ties between equally scored nodes.
@@ -674,6 +698,54 @@ pub(crate) mod testutil {
         Cluster::new(models, nodes)
     }
 
+    /// A node of model 0 ("G", 1000 units per GPU) or 1 ("H", 2000) with up to `max_gpus` GPUs, in a
+    /// random state ([`scramble`]).
+    pub fn random_node(r: &mut impl Rng, name: usize, max_gpus: usize) -> Node {
+        let model = r.random_range(0..2);
+        let cap = if model == 0 { 1000 } else { 2000 };
+        let gpus = vec![Gpu::new(cap); r.random_range(0..=max_gpus)];
+        let mut n = Node::new(format!("n{name}"), model, 32_000, 128_000, gpus);
+        scramble(r, &mut n);
+        n
+    }
+
+    /// Random free amounts, in quarters, so that equal amounts, idle and full GPUs are common.
+    pub fn scramble(r: &mut impl Rng, n: &mut Node) {
+        n.cpu_free = n.cpu_capacity / 8 * r.random_range(0..=8);
+        n.memory_free = n.memory_capacity / 4 * r.random_range(0..=4);
+        for g in &mut n.gpus {
+            g.free = g.capacity / 4 * r.random_range(0..=4);
+        }
+    }
+
+    /// `n` random nodes of models "G" and "H".
+    pub fn random_cluster(r: &mut impl Rng, n: usize, max_gpus: usize) -> Cluster {
+        let mut c = cluster(Vec::new());
+        c.models.intern("H").expect("two models");
+        c.nodes = (0..n).map(|i| random_node(r, i, max_gpus)).collect();
+        c
+    }
+
+    /// A random request of any kind, one in five restricted to one of two models.
+    pub fn random_request(r: &mut impl Rng) -> Request {
+        let (cpu, mem) = (r.random_range(0..=8) * 1000, r.random_range(0..=4) * 8000);
+        let req = match r.random_range(0..4) {
+            0 => Request::cpu_only(cpu, mem),
+            1 | 2 => Request::shared(cpu, mem, r.random_range(1..=4) * 250),
+            _ => Request::whole(cpu, mem, r.random_range(1..=4)),
+        };
+        if r.random_bool(0.2) {
+            req.with_models(ModelSet::NONE.with(r.random_range(0..2)))
+        } else {
+            req
+        }
+    }
+
+    /// A candidate list with scores as bits: equal means identical.
+    pub fn to_bits(out: &[Candidate]) -> Vec<(u32, u64, GpuMask)> {
+        out.iter().map(|c| (c.node, c.score.to_bits(), c.gpus)).collect()
+    }
+
     /// The candidate for `node`, if it was scored.
     pub fn cand(out: &[Candidate], node: u32) -> Option<Candidate> {
         out.iter().copied().find(|c| c.node == node)
@@ -692,8 +764,37 @@ pub(crate) mod testutil {
 
 #[cfg(test)]
 mod tests {
+    use rand::SeedableRng;
+    use rand_pcg::Pcg64Mcg;
+
     use super::testutil::*;
     use super::*;
+
+    #[test]
+    fn score_nodes_is_score_restricted_to_the_listed_nodes_for_every_policy() {
+        let mut r = rng();
+        let base = random_cluster(&mut r, 24, 8);
+        let reqs: Vec<Request> = (0..300).map(|_| random_request(&mut r)).collect();
+        let mix = TypicalMix::from_requests(&reqs, 0.95);
+        for name in POLICY_NAMES {
+            // One instance scores subsets call after call (its caches partly synced), the other all;
+            // nodes change in between, listed or not.
+            let mut part = build_policy(name, &base, &mix).expect("known policy");
+            let mut all = build_policy(name, &base, &mix).expect("known policy");
+            let mut c = base.clone();
+            let (mut a, mut b) = (Vec::new(), Vec::new());
+            for req in &reqs[..60] {
+                let k = r.random_range(0..c.nodes.len());
+                scramble(&mut r, &mut c.nodes[k]);
+                let nodes: Vec<u32> = (0..c.nodes.len() as u32).filter(|_| r.random_bool(0.6)).collect();
+                let seed = r.random::<u64>();
+                part.score_nodes(&c, &nodes, req, &mut Pcg64Mcg::seed_from_u64(seed), &mut a);
+                all.score(&c, req, &mut Pcg64Mcg::seed_from_u64(seed), &mut b);
+                b.retain(|x| nodes.contains(&x.node));
+                assert_eq!(to_bits(&a), to_bits(&b), "{name} on {nodes:?} for {req:?}");
+            }
+        }
+    }
 
     #[test]
     fn filter_is_per_gpu_not_node_sum() {
