@@ -16,7 +16,8 @@ use super::state::NodeState;
 /// Parsed GPU state by node name, kept in step with the watch events.
 #[derive(Default)]
 struct View {
-    nodes: HashMap<String, Arc<NodeState>>,
+    /// A fast hash: every decision looks up every candidate node by name.
+    nodes: HashMap<String, Arc<NodeState>, foldhash::fast::RandomState>,
     /// Names seen since the current (re)list began; on its end, the others are gone.
     relist: Option<HashSet<String>>,
 }
@@ -128,10 +129,18 @@ impl NodeCache {
         self.read().nodes.get(name).cloned()
     }
 
-    /// The GPU states of `names` (in that order), under one lock.
-    pub fn get_many(&self, names: &[String]) -> Vec<Option<Arc<NodeState>>> {
+    /// The GPU states of `names` (in that order), under one lock; `missing` stands in for a node the
+    /// cache does not have.
+    pub fn get_many(
+        &self,
+        names: &[String],
+        missing: impl Fn(&str) -> Arc<NodeState>,
+    ) -> Vec<Arc<NodeState>> {
         let view = self.read();
-        names.iter().map(|n| view.nodes.get(n).cloned()).collect()
+        names
+            .iter()
+            .map(|n| view.nodes.get(n).cloned().unwrap_or_else(|| missing(n)))
+            .collect()
     }
 
     /// Every node's GPU state, by name.
@@ -380,13 +389,14 @@ mod tests {
         cache.apply(&watcher::Event::InitDone);
         let names: Vec<String> = cache.all().iter().map(|n| n.name.clone()).collect();
         assert_eq!(names, ["c"]);
+        let stand_in = |name: &str| Arc::new(NodeState::broken(name, "missing".into()));
         assert_eq!(
             cache
-                .get_many(&["c".into(), "zz".into()])
+                .get_many(&["c".into(), "zz".into()], stand_in)
                 .iter()
-                .map(Option::is_some)
+                .map(|n| (n.name.as_str(), n.problem.as_deref() == Some("missing")))
                 .collect::<Vec<_>>(),
-            [true, false]
+            [("c", false), ("zz", true)]
         );
     }
 }

@@ -3,14 +3,15 @@
 //! `gpumem simulate` measures) on the cluster as these nodes show it, then blends in the workload class
 //! and, for multi-GPU pods, the topology of the chosen set.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
 
 use rand::SeedableRng;
 
 use super::Config;
 use super::state::{Demand, NodeState, PodDemand, TopologyNeed, WorkloadClass};
 use crate::alloc::local::{PairScores, best_gpu_set, pair_score};
-use crate::alloc::{self, Cluster, Gpu, GpuDemand, ModelTable, Request, TypicalMix};
+use crate::alloc::{self, Cluster, Gpu, GpuDemand, GpuMask, ModelTable, Request, TypicalMix};
 use crate::gpu::TopologyLevel;
 
 /// Why a node cannot host the pod.
@@ -39,12 +40,13 @@ pub struct Fit {
     /// MiB on one GPU (memory requests), 0 for whole GPUs.
     pub need_mib: u64,
     /// GPU positions the pod may use (healthy, of an allowed model).
-    pub eligible: Vec<usize>,
+    pub eligible: GpuMask,
     /// For several whole GPUs: the best set meeting the topology need, and its pair score.
     pub set: Option<(Vec<usize>, u64)>,
 }
 
 /// Can `node` host `pod`? Looks only at GPUs: kube-scheduler checks CPU, memory, taints and affinity.
+/// Runs for every candidate node of every call: it allocates only to explain a rejection.
 pub fn check(node: &NodeState, pod: &PodDemand) -> Result<Fit, Rejection> {
     if let Some(problem) = &node.problem {
         return Err(Rejection::new(problem.clone(), "bad_annotation", true));
@@ -52,13 +54,22 @@ pub fn check(node: &NodeState, pod: &PodDemand) -> Result<Fit, Rejection> {
     if node.gpus.is_empty() {
         return Err(Rejection::new("node has no GPUs".into(), "no_gpu", true));
     }
+    // Node states never hold more than MAX_GPUS_PER_NODE GPUs (see `state`), so a mask holds them all.
     let mut allowed = 0usize;
-    let mut eligible: Vec<usize> = Vec::with_capacity(node.gpus.len());
+    let mut eligible = GpuMask::EMPTY;
+    let mut last: Option<(&str, bool)> = None;
     for (p, g) in node.gpus.iter().enumerate() {
-        if pod.allows_model(&g.model) {
+        // Most pods accept any model; a node's GPUs are mostly of one model: compare each once.
+        let ok = pod.models.is_none()
+            || match last {
+                Some((m, ok)) if m == g.model => ok,
+                _ => pod.allows_model(&g.model),
+            };
+        last = Some((&g.model, ok));
+        if ok {
             allowed += 1;
             if g.healthy {
-                eligible.push(p);
+                eligible = eligible.with(p);
             }
         }
     }
@@ -82,18 +93,16 @@ pub fn check(node: &NodeState, pod: &PodDemand) -> Result<Fit, Rejection> {
             true,
         ));
     }
-    let unhealthy = allowed - eligible.len();
-    let note = if unhealthy > 0 {
-        format!(" ({unhealthy} unhealthy GPU(s) not counted)")
-    } else {
-        String::new()
+    let note = || match allowed - eligible.count() as usize {
+        0 => String::new(),
+        unhealthy => format!(" ({unhealthy} unhealthy GPU(s) not counted)"),
     };
     match pod.demand {
         Demand::Memory { .. } => {
             let need = pod.memory_mib(node.unit_mib);
             let largest = eligible
                 .iter()
-                .map(|&p| node.gpus[p].free_mib())
+                .map(|p| node.gpus[p].free_mib())
                 .max()
                 .unwrap_or(0);
             if largest >= need {
@@ -105,7 +114,7 @@ pub fn check(node: &NodeState, pod: &PodDemand) -> Result<Fit, Rejection> {
             }
             let biggest = eligible
                 .iter()
-                .map(|&p| node.gpus[p].memory_mib)
+                .map(|p| node.gpus[p].memory_mib)
                 .max()
                 .unwrap_or(0);
             let (extra, unresolvable) = if biggest < need {
@@ -117,37 +126,42 @@ pub fn check(node: &NodeState, pod: &PodDemand) -> Result<Fit, Rejection> {
                 (String::new(), false)
             };
             Err(Rejection::new(
-                format!("largest free GPU has {largest} MiB, pod needs {need} MiB{extra}{note}"),
+                format!(
+                    "largest free GPU has {largest} MiB, pod needs {need} MiB{extra}{}",
+                    note()
+                ),
                 "gpu_memory",
                 unresolvable,
             ))
         }
         Demand::Whole { count } => {
             let n = count as usize;
-            let idle: Vec<usize> = eligible
-                .iter()
-                .copied()
-                .filter(|&p| node.gpus[p].is_idle())
-                .collect();
-            if idle.len() < n {
+            let idle = GpuMask(
+                eligible
+                    .iter()
+                    .filter(|&p| node.gpus[p].is_idle())
+                    .fold(0, |m, p| m | 1 << p),
+            );
+            let idle_count = idle.count() as usize;
+            if idle_count < n {
                 return Err(Rejection::new(
                     format!(
-                        "pod needs {n} idle GPU(s), node has {} idle GPU(s) of an allowed type{note}",
-                        idle.len()
+                        "pod needs {n} idle GPU(s), node has {idle_count} idle GPU(s) of an allowed type{}",
+                        note()
                     ),
                     "idle_gpus",
-                    eligible.len() < n,
+                    (eligible.count() as usize) < n,
                 ));
             }
             let set = if n > 1 {
+                let idle: Vec<usize> = idle.iter().collect();
                 match topology_set(node, &idle, n, pod.topology) {
                     Some(set) => Some(set),
                     None => {
                         return Err(Rejection::new(
                             format!(
-                                "pod needs {n} idle GPUs{}, none of the sets of the {} idle GPUs qualifies",
+                                "pod needs {n} idle GPUs{}, none of the sets of the {idle_count} idle GPUs qualifies",
                                 pod.topology.describe(),
-                                idle.len()
                             ),
                             "topology",
                             false,
@@ -285,7 +299,7 @@ pub struct Scored {
     /// The blend before rounding, 0..=1.
     pub raw: f64,
     /// GPU positions the pod would get.
-    pub gpus: Vec<usize>,
+    pub gpus: GpuMask,
 }
 
 /// The typical request mix the fragmentation measure protects, in MiB.
@@ -315,70 +329,107 @@ pub fn typical_mix(cfg: &Config) -> TypicalMix {
     }
 }
 
-/// The policy's view of the cluster and the policy built for it, kept between calls: a decision
-/// updates the view in place, and builds the policy again only when the view's shape changed (nodes,
-/// models, capacities: what [`alloc::build_policy`] reads of "a cluster like" this one). The policy's own
-/// caches (the fragmentation of each node) then only look at what changed. Holding the view is what
-/// makes `prioritize` cheap; a call that finds it busy (concurrent prioritize calls) builds its own.
+/// The policy's view of the cluster, kept between calls, and the policies built for it.
+///
+/// The view holds every node the scorer has been asked about, each at a fixed position (kube-scheduler
+/// lists the candidates in a different order and subset every time); a call writes its candidates' state
+/// into their positions and scores only them. The policies (one per request amount, each keeping its own
+/// caches of per-node fragmentation and of per-node results for a repeated request) are built again only
+/// when the view's shape changes: nodes, models, capacities, what [`alloc::build_policy`] reads of "a
+/// cluster like" this one. So a call costs what changed since the last one, not the cluster's size in
+/// fragmentation arithmetic.
 #[derive(Default)]
 pub struct PolicyCache {
-    slots: std::sync::Mutex<Vec<Slot>>,
+    view: std::sync::Mutex<View>,
 }
 
-/// One view per request amount (nodes with different memory units need different amounts).
-struct Slot {
-    need: u64,
+#[derive(Default)]
+struct View {
     cluster: Cluster,
+    /// Each node's position in `cluster.nodes`.
+    position: HashMap<String, u32, foldhash::fast::RandomState>,
+    /// What each position was last written from.
+    written: Vec<Option<Written>>,
+    /// Positions by the address of the node state in `written` (held there, so no other state can
+    /// have that address meanwhile): a node unchanged since the last call is found without its name.
+    by_address: HashMap<usize, u32, foldhash::fast::RandomState>,
+    /// The call that last listed each node, to forget nodes that are gone.
+    listed: Vec<u64>,
+    calls: u64,
+    /// Bumped when the shape changes; a policy built for another shape is stale.
+    shape: u64,
+    policies: Vec<KeptPolicy>,
+}
+
+/// A node state and the parts of the pod that shape its view (see [`View::place`]).
+struct Written {
+    node: Arc<NodeState>,
+    eligible: GpuMask,
+    cpu: u64,
+    memory: u64,
+}
+
+struct KeptPolicy {
+    need: u64,
+    shape: u64,
+    last_used: u64,
     policy: Box<dyn alloc::Policy>,
 }
 
-/// At most this many views are kept.
-const MAX_SLOTS: usize = 4;
+/// At most this many policies (request amounts) are kept.
+const MAX_POLICIES: usize = 4;
+/// A node no call has listed for this many calls is forgotten (deleted, or always filtered out earlier).
+const FORGET_AFTER_CALLS: u64 = 100_000;
 
-/// Writes the policy's view of the nodes `members` (indices into `fits`) into `cluster`, reusing what is
-/// there; returns whether the shape (names, models, capacities) stayed the same.
-fn fill_view(
-    cluster: &mut Cluster,
-    nodes: &[&NodeState],
-    fits: &[(usize, Fit)],
-    members: &[usize],
-    pod: &PodDemand,
-) -> bool {
-    let mut models = ModelTable::default();
-    let mut same = cluster.nodes.len() == members.len();
-    cluster.nodes.truncate(members.len());
-    for (slot, &k) in members.iter().enumerate() {
-        let (i, fit) = &fits[k];
-        let n = nodes[*i];
+impl View {
+    /// Writes `node` as `pod` sees it (only `fit.eligible` GPUs have free memory) at its position.
+    fn place(&mut self, node: &Arc<NodeState>, fit: &Fit, pod: &PodDemand) -> u32 {
+        // kube-scheduler checks CPU and memory; the policy must not refuse on them.
+        let cpu = node.cpu_milli.max(pod.cpu_milli);
+        let memory = node.memory_mib.max(pod.memory_mib);
+        let address = Arc::as_ptr(node) as usize;
+        if let Some(&at) = self.by_address.get(&address)
+            && let Some(w) = &self.written[at as usize]
+            && (w.eligible, w.cpu, w.memory) == (fit.eligible, cpu, memory)
+        {
+            // Written from this very state, for a pod that sees it the same way: nothing to do.
+            self.listed[at as usize] = self.calls;
+            return at;
+        }
+        let model_count = self.cluster.models.len();
         let model = fit
             .eligible
-            .first()
-            .and_then(|&p| models.intern(&n.gpus[p].model).ok())
+            .iter()
+            .next()
+            .and_then(|p| self.cluster.models.intern(&node.gpus[p].model).ok())
             .unwrap_or(0);
-        // kube-scheduler checks CPU and memory; the policy must not refuse on them.
-        let cpu = n.cpu_milli.max(pod.cpu_milli);
-        let memory = n.memory_mib.max(pod.memory_mib);
-        if slot == cluster.nodes.len() {
-            cluster
-                .nodes
-                .push(alloc::Node::new(n.name.clone(), model, cpu, memory, Vec::new()));
-            same = false;
-        }
-        let v = &mut cluster.nodes[slot];
-        if v.name != n.name {
-            v.name.clone_from(&n.name);
-            same = false;
-        }
-        same &= v.model == model && v.cpu_capacity == cpu && v.memory_capacity == memory;
+        let mut same = self.cluster.models.len() == model_count;
+        let at = match self.position.get(node.name.as_str()) {
+            Some(&at) => at,
+            None => {
+                let at = self.cluster.nodes.len() as u32;
+                let fresh = alloc::Node::new(node.name.clone(), model, cpu, memory, Vec::new());
+                self.cluster.nodes.push(fresh);
+                self.position.insert(node.name.clone(), at);
+                self.listed.push(0);
+                self.written.push(None);
+                same = false;
+                at
+            }
+        };
+        self.listed[at as usize] = self.calls;
+        let v = &mut self.cluster.nodes[at as usize];
+        same &= v.model == model
+            && v.cpu_capacity == cpu
+            && v.memory_capacity == memory
+            && v.gpus.len() == node.gpus.len();
         v.model = model;
         (v.cpu_capacity, v.cpu_free) = (cpu, cpu);
         (v.memory_capacity, v.memory_free) = (memory, memory);
-        v.tags.clear();
-        same &= v.gpus.len() == n.gpus.len();
-        v.gpus.resize(n.gpus.len(), Gpu { capacity: 0, free: 0 });
-        for (p, (g, out)) in n.gpus.iter().zip(v.gpus.iter_mut()).enumerate() {
+        v.gpus.resize(node.gpus.len(), Gpu { capacity: 0, free: 0 });
+        for (p, (g, out)) in node.gpus.iter().zip(v.gpus.iter_mut()).enumerate() {
             let capacity = u32::try_from(g.memory_mib).unwrap_or(u32::MAX);
-            let free = if fit.eligible.contains(&p) {
+            let free = if fit.eligible.contains(p) {
                 u32::try_from(g.free_mib()).unwrap_or(u32::MAX)
             } else {
                 0
@@ -386,117 +437,174 @@ fn fill_view(
             same &= out.capacity == capacity;
             *out = Gpu { capacity, free };
         }
-    }
-    let old = &cluster.models;
-    same &= old.len() == models.len() && (0..models.len()).all(|m| old.name(m as u8) == models.name(m as u8));
-    cluster.models = models;
-    same
-}
-
-/// Ranks the nodes in `fits` (index into `nodes`, and its fit) for `pod`. `load` is the share of GPU
-/// memory allocated in the cluster as the scorer sees it (decides the online weight).
-pub fn prioritize(
-    nodes: &[&NodeState],
-    fits: &[(usize, Fit)],
-    pod: &PodDemand,
-    cfg: &Config,
-    load: f64,
-) -> Vec<(usize, Scored)> {
-    prioritize_cached(nodes, fits, pod, cfg, load, None)
-}
-
-/// [`prioritize`], keeping the policy's view of the cluster in `cache` between calls (same answers).
-pub fn prioritize_cached(
-    nodes: &[&NodeState],
-    fits: &[(usize, Fit)],
-    pod: &PodDemand,
-    cfg: &Config,
-    load: f64,
-    cache: Option<&PolicyCache>,
-) -> Vec<(usize, Scored)> {
-    if fits.is_empty() {
-        return Vec::new();
-    }
-    // Nodes with different memory units turn one request into different MiB: one policy run per amount.
-    let mut groups: BTreeMap<u64, Vec<usize>> = BTreeMap::new();
-    for (k, (_, fit)) in fits.iter().enumerate() {
-        groups.entry(fit.need_mib).or_default().push(k);
-    }
-    let mix = typical_mix(cfg);
-    let mut policy_score: Vec<Option<(f64, Vec<usize>)>> = vec![None; fits.len()];
-    let mut rng = rand_pcg::Pcg64Mcg::seed_from_u64(1);
-    let mut out = Vec::new();
-    let mut slots = cache.and_then(|c| c.slots.try_lock().ok());
-    for (need, members) in groups {
-        let gpu = match pod.demand {
-            Demand::Memory { .. } => GpuDemand::Shared {
-                amount: u32::try_from(need).unwrap_or(u32::MAX),
-            },
-            Demand::Whole { count } => GpuDemand::Whole { count },
+        if !same {
+            self.shape += 1;
+        }
+        let written = Written {
+            node: node.clone(),
+            eligible: fit.eligible,
+            cpu,
+            memory,
         };
-        let req = Request {
-            cpu_milli: pod.cpu_milli,
-            memory_mib: pod.memory_mib,
-            gpu,
-            models: None,
-        };
-        let kept = slots.as_deref_mut().map(|slots| {
-            let at = match slots.iter().position(|s| s.need == need) {
-                Some(at) => at,
-                None => {
-                    if slots.len() >= MAX_SLOTS {
-                        slots.remove(0);
-                    }
-                    slots.len()
-                }
-            };
-            (slots, at)
-        });
-        let mut fresh: Option<(Cluster, Box<dyn alloc::Policy>)> = None;
-        let (cluster, policy) = match kept {
-            Some((slots, at)) if at < slots.len() => {
-                let slot = &mut slots[at];
-                if !fill_view(&mut slot.cluster, nodes, fits, &members, pod) {
-                    let Some(p) = alloc::build_policy(&cfg.policy, &slot.cluster, &mix) else {
-                        slots.remove(at);
-                        continue;
-                    };
-                    slot.policy = p;
-                }
-                let slot = &mut slots[at];
-                (&slot.cluster, &mut slot.policy)
-            }
-            kept => {
-                let mut cluster = Cluster::default();
-                fill_view(&mut cluster, nodes, fits, &members, pod);
-                let Some(policy) = alloc::build_policy(&cfg.policy, &cluster, &mix) else {
-                    continue;
+        if let Some(old) = self.written[at as usize].replace(written) {
+            self.by_address.remove(&(Arc::as_ptr(&old.node) as usize));
+        }
+        self.by_address.insert(address, at);
+        at
+    }
+
+    /// Forgets the nodes no call listed for [`FORGET_AFTER_CALLS`] calls (checked now and then).
+    fn forget_gone(&mut self) {
+        if !self.calls.is_multiple_of(4096)
+            || !self.listed.iter().any(|&c| c + FORGET_AFTER_CALLS < self.calls)
+        {
+            return;
+        }
+        let keep: Vec<bool> = self
+            .listed
+            .iter()
+            .map(|&c| c + FORGET_AFTER_CALLS >= self.calls)
+            .collect();
+        let mut k = keep.iter();
+        self.cluster.nodes.retain(|_| *k.next().unwrap_or(&true));
+        let mut k = keep.iter();
+        self.listed.retain(|_| *k.next().unwrap_or(&true));
+        let mut k = keep.iter();
+        self.written.retain(|_| *k.next().unwrap_or(&true));
+        self.by_address = self
+            .written
+            .iter()
+            .enumerate()
+            .filter_map(|(i, w)| Some((Arc::as_ptr(&w.as_ref()?.node) as usize, i as u32)))
+            .collect();
+        self.position = self
+            .cluster
+            .nodes
+            .iter()
+            .enumerate()
+            .map(|(i, n)| (n.name.clone(), i as u32))
+            .collect();
+        self.shape += 1;
+    }
+
+    /// Where in `policies` the policy for requests of `need` MiB is, built for the current shape.
+    fn policy(&mut self, need: u64, cfg: &Config, mix: &TypicalMix) -> Option<usize> {
+        let (calls, shape) = (self.calls, self.shape);
+        let at = match self.policies.iter().position(|p| p.need == need) {
+            Some(at) if self.policies[at].shape == shape => at,
+            found => {
+                let policy = alloc::build_policy(&cfg.policy, &self.cluster, mix)?;
+                let kept = KeptPolicy {
+                    need,
+                    shape,
+                    last_used: calls,
+                    policy,
                 };
-                match kept {
-                    Some((slots, _)) => {
-                        slots.push(Slot {
-                            need,
-                            cluster,
-                            policy,
-                        });
-                        let slot = slots.last_mut().expect("just pushed");
-                        (&slot.cluster, &mut slot.policy)
+                match found {
+                    Some(at) => {
+                        self.policies[at] = kept;
+                        at
                     }
                     None => {
-                        let f = fresh.insert((cluster, policy));
-                        (&f.0, &mut f.1)
+                        if self.policies.len() >= MAX_POLICIES
+                            && let Some(lru) =
+                                (0..self.policies.len()).min_by_key(|&i| self.policies[i].last_used)
+                        {
+                            self.policies.swap_remove(lru);
+                        }
+                        self.policies.push(kept);
+                        self.policies.len() - 1
                     }
                 }
             }
         };
-        policy.score(cluster, &req, &mut rng, &mut out);
-        for c in &out {
-            if let Some(&k) = members.get(c.node as usize) {
-                policy_score[k] = Some((c.score, c.gpus.iter().collect()));
+        self.policies[at].last_used = calls;
+        Some(at)
+    }
+}
+
+/// Ranks `nodes` for `pod`: a score for each node that can host it ([`check`]), `None` for the others.
+/// The online weight follows the share of GPU memory allocated over `nodes`. `cache` keeps the
+/// policy's view between calls (a fresh [`PolicyCache`] gives the same answers, only slower).
+pub fn prioritize(
+    nodes: &[Arc<NodeState>],
+    pod: &PodDemand,
+    cfg: &Config,
+    cache: &PolicyCache,
+) -> Vec<Option<Scored>> {
+    let mut fits: Vec<(usize, Fit)> = Vec::new();
+    let (mut used, mut total) = (0u64, 0u64);
+    let mut policy_score: Vec<Option<(f64, GpuMask)>>;
+    {
+        let mut view = cache.view.lock().unwrap_or_else(|e| e.into_inner());
+        view.calls += 1;
+        view.forget_gone();
+        // One pass over the nodes: their GPU state is most of the memory a call reads, and it is
+        // still in cache for the view's copy right after the check.
+        // (position in the view, index into `fits`)
+        let mut placed: Vec<(u32, usize)> = Vec::new();
+        for (i, n) in nodes.iter().enumerate() {
+            if n.problem.is_none() {
+                let (u, t) = n.allocated_fraction();
+                (used, total) = (used + u, total + t);
+            }
+            if let Ok(fit) = check(n, pod) {
+                placed.push((view.place(n, &fit, pod), fits.len()));
+                fits.push((i, fit));
+            }
+        }
+        placed.sort_unstable();
+        policy_score = vec![None; fits.len()];
+        let mix = typical_mix(cfg);
+        // Nodes with different memory units turn one request into different MiB: one policy run per amount.
+        let mut needs: Vec<u64> = fits.iter().map(|(_, f)| f.need_mib).collect();
+        needs.sort_unstable();
+        needs.dedup();
+        let mut rng = rand_pcg::Pcg64Mcg::seed_from_u64(1);
+        let mut out = Vec::new();
+        for need in needs {
+            let mut members: Vec<u32> = placed
+                .iter()
+                .filter(|(_, k)| fits[*k].1.need_mib == need)
+                .map(|(at, _)| *at)
+                .collect();
+            members.dedup();
+            let gpu = match pod.demand {
+                Demand::Memory { .. } => GpuDemand::Shared {
+                    amount: u32::try_from(need).unwrap_or(u32::MAX),
+                },
+                Demand::Whole { count } => GpuDemand::Whole { count },
+            };
+            let req = Request {
+                cpu_milli: pod.cpu_milli,
+                memory_mib: pod.memory_mib,
+                gpu,
+                models: None,
+            };
+            let Some(at) = view.policy(need, cfg, &mix) else {
+                continue;
+            };
+            let View {
+                cluster, policies, ..
+            } = &mut *view;
+            policies[at]
+                .policy
+                .score_nodes(cluster, &members, &req, &mut rng, &mut out);
+            for c in &out {
+                let from = placed.partition_point(|(at, _)| *at < c.node);
+                for (_, k) in placed[from..].iter().take_while(|(at, _)| *at == c.node) {
+                    if fits[*k].1.need_mib == need {
+                        policy_score[*k] = Some((c.score, c.gpus));
+                    }
+                }
             }
         }
     }
-    drop(slots);
+    let load = if total == 0 {
+        0.0
+    } else {
+        used as f64 / total as f64
+    };
     let (lo, hi) = policy_score
         .iter()
         .flatten()
@@ -514,44 +622,41 @@ pub fn prioritize_cached(
         WorkloadClass::Offline => cfg.offline_weight,
     }
     .clamp(0.0, 1.0);
-    fits.iter()
-        .zip(policy_score)
-        .map(|((i, fit), policy)| {
-            let n = nodes[*i];
+    let mut ranked: Vec<Option<Scored>> = vec![None; nodes.len()];
+    for ((i, fit), policy) in fits.iter().zip(policy_score) {
+        ranked[*i] = Some({
+            let n = &nodes[*i];
             let (policy_term, policy_gpus) = match policy {
                 Some((s, gpus)) if hi > lo => ((s - lo) / (hi - lo), gpus),
                 Some((_, gpus)) => (1.0, gpus),
-                None => (0.0, Vec::new()),
+                None => (0.0, GpuMask::EMPTY),
             };
             let gpus = match (&fit.set, pod.demand) {
-                (Some((set, _)), _) => set.clone(),
+                (Some((set, _)), _) => set.iter().fold(GpuMask::EMPTY, |m, &p| m.with(p)),
                 _ if !policy_gpus.is_empty() => policy_gpus,
                 (None, Demand::Memory { .. }) => fit
                     .eligible
                     .iter()
-                    .copied()
                     .filter(|&p| n.gpus[p].free_mib() >= fit.need_mib)
                     .min_by_key(|&p| (n.gpus[p].free_mib(), p))
-                    .into_iter()
-                    .collect(),
+                    .map_or(GpuMask::EMPTY, GpuMask::single),
                 (None, Demand::Whole { count }) => fit
                     .eligible
                     .iter()
-                    .copied()
                     .filter(|&p| n.gpus[p].is_idle())
                     .take(count as usize)
-                    .collect(),
+                    .fold(GpuMask::EMPTY, GpuMask::with),
             };
             // How much room the placement leaves: on the GPU used (memory), on the node (whole GPUs).
             let room = match pod.demand {
-                Demand::Memory { .. } => gpus.first().map_or(0.0, |&p| {
+                Demand::Memory { .. } => gpus.iter().next().map_or(0.0, |p| {
                     let g = &n.gpus[p];
                     g.free_mib().saturating_sub(fit.need_mib) as f64 / g.memory_mib.max(1) as f64
                 }),
                 Demand::Whole { .. } => {
-                    let total: u64 = fit.eligible.iter().map(|&p| n.gpus[p].memory_mib).sum();
-                    let taken: u64 = gpus.iter().map(|&p| n.gpus[p].memory_mib).sum();
-                    let free: u64 = fit.eligible.iter().map(|&p| n.gpus[p].free_mib()).sum();
+                    let total: u64 = fit.eligible.iter().map(|p| n.gpus[p].memory_mib).sum();
+                    let taken: u64 = gpus.iter().map(|p| n.gpus[p].memory_mib).sum();
+                    let free: u64 = fit.eligible.iter().map(|p| n.gpus[p].free_mib()).sum();
                     free.saturating_sub(taken) as f64 / total.max(1) as f64
                 }
             };
@@ -565,9 +670,10 @@ pub fn prioritize_cached(
             };
             let raw = (class_weight * class_term + (1.0 - class_weight) * base).clamp(0.0, 1.0);
             let score = (raw * super::extender::MAX_EXTENDER_PRIORITY as f64).round() as i64;
-            (*i, Scored { score, raw, gpus })
-        })
-        .collect()
+            Scored { score, raw, gpus }
+        });
+    }
+    ranked
 }
 
 /// The cluster's GPU memory picture, for the gauges.
@@ -621,20 +727,6 @@ pub fn fragmentation(nodes: &[&NodeState], cfg: &Config) -> Fragmentation {
         cluster: ratio(frag, free),
         nodes: per_node,
         allocated: ratio(capacity.saturating_sub(free) as f64, capacity),
-    }
-}
-
-/// Share of GPU memory allocated over `nodes` (0 when they have no GPUs).
-pub fn load(nodes: &[&NodeState]) -> f64 {
-    let (used, total) = nodes
-        .iter()
-        .filter(|n| n.problem.is_none())
-        .map(|n| n.allocated_fraction())
-        .fold((0u64, 0u64), |(u, t), (a, b)| (u + a, t + b));
-    if total == 0 {
-        0.0
-    } else {
-        used as f64 / total as f64
     }
 }
 
@@ -718,38 +810,66 @@ mod tests {
     #[test]
     fn the_kept_policy_view_answers_as_a_fresh_one() {
         let cfg = Config::default();
-        let cache = PolicyCache::default();
-        let p = pod(Demand::Memory { units: 5000 }, WorkloadClass::Offline);
-        let mut nodes: Vec<NodeState> = (0..6)
+        let kept = PolicyCache::default();
+        // Shared states, changed as the node cache changes them: a new state for a new version.
+        let mut nodes: Vec<Arc<NodeState>> = (0..7)
             .map(|i| {
                 let gpus = (0..4)
                     .map(|g| gpu(g, 16384, [16384, 9000, 6000, 12000][(i + g) % 4]))
                     .collect();
-                node(&format!("n{i}"), gpus)
+                Arc::new(node(&format!("n{i}"), gpus))
             })
             .collect();
-        let run = |nodes: &[NodeState], cache: Option<&PolicyCache>| {
-            let refs: Vec<&NodeState> = nodes.iter().collect();
-            let fits: Vec<(usize, Fit)> = refs
+        // Answers by node name, whatever the order of the call.
+        let run = |nodes: &[Arc<NodeState>], order: &[usize], p: &PodDemand, cache: &PolicyCache| {
+            let refs: Vec<Arc<NodeState>> = order.iter().map(|&i| nodes[i].clone()).collect();
+            let mut answers: Vec<(String, Option<Scored>)> = refs
                 .iter()
-                .enumerate()
-                .filter_map(|(i, n)| check(n, &p).ok().map(|f| (i, f)))
+                .map(|n| n.name.clone())
+                .zip(prioritize(&refs, p, &cfg, cache))
                 .collect();
-            prioritize_cached(&refs, &fits, &p, &cfg, load(&refs), cache)
+            answers.sort_by(|a, b| a.0.cmp(&b.0));
+            answers
         };
-        for round in 0..4 {
-            let kept = run(&nodes, Some(&cache));
-            assert_eq!(kept, run(&nodes, None), "round {round}");
-            // Usage changes (the view is updated in place), then the shape changes (rebuilt).
-            match round {
-                0 => nodes[2].gpus[1].allocated_mib = 16000,
-                1 => nodes[4].gpus[0].memory_mib = 40960,
-                _ => {
-                    nodes.pop();
-                }
+        let all: Vec<usize> = (0..7).collect();
+        let sizes = [5000, 3000, 5000, 1000, 7000, 5000];
+        for round in 0..12 {
+            // Another order each call, as kube-scheduler sends them; sizes repeat.
+            let order: Vec<usize> = (0..7).map(|k| (k * 3 + round) % 7).collect();
+            let p = pod(
+                Demand::Memory {
+                    units: sizes[round % 6],
+                },
+                WorkloadClass::Offline,
+            );
+            let fresh = PolicyCache::default();
+            assert_eq!(
+                run(&nodes, &order, &p, &kept),
+                run(&nodes, &all, &p, &fresh),
+                "round {round}"
+            );
+            // A subset (kube-scheduler's sampling) is scored in the view of the whole cluster seen.
+            let subset = &order[..4];
+            assert_eq!(
+                run(&nodes, subset, &p, &kept),
+                run(&nodes, subset, &p, &fresh),
+                "round {round}"
+            );
+            // Usage changes (the view is updated in place), then the shape changes (policies rebuilt).
+            match round % 4 {
+                0 => Arc::make_mut(&mut nodes[round % 7]).gpus[1].allocated_mib = 16000 - round as u64,
+                1 => Arc::make_mut(&mut nodes[4]).gpus[0].allocated_mib = round as u64 * 100,
+                2 => Arc::make_mut(&mut nodes[4]).gpus[0].memory_mib = 40960 + round as u64,
+                _ => Arc::make_mut(&mut nodes[round % 7]).gpus[2].allocated_mib = 0,
             }
         }
-        assert_eq!(cache.slots.lock().expect("lock").len(), 1);
+        let view = kept.view.lock().expect("lock");
+        assert_eq!(
+            view.cluster.nodes.len(),
+            7,
+            "one position per node, whatever the order"
+        );
+        assert!(view.policies.len() <= MAX_POLICIES);
     }
 
     #[test]
@@ -757,15 +877,14 @@ mod tests {
         let cfg = Config::default();
         let a = node("tight", vec![gpu(0, 16384, 6000)]);
         let b = node("roomy", vec![gpu(0, 16384, 16384)]);
-        let nodes = [&a, &b];
+        let nodes = [Arc::new(a), Arc::new(b)];
         for (class, winner) in [(WorkloadClass::Offline, 0), (WorkloadClass::Online, 1)] {
             let p = pod(Demand::Memory { units: 5000 }, class);
-            let fits: Vec<(usize, Fit)> = (0..2).map(|i| (i, check(nodes[i], &p).expect("fits"))).collect();
-            let scored = prioritize(&nodes, &fits, &p, &cfg, 0.0);
-            let best = scored
-                .iter()
-                .max_by(|x, y| x.1.raw.total_cmp(&y.1.raw))
-                .map(|s| s.0);
+            let scored = prioritize(&nodes, &p, &cfg, &PolicyCache::default());
+            let best = (0..2).max_by(|&x, &y| {
+                let raw = |i: usize| scored[i].as_ref().expect("both fit").raw;
+                raw(x).total_cmp(&raw(y))
+            });
             assert_eq!(best, Some(winner), "{class:?}: {scored:?}");
         }
     }

@@ -48,7 +48,7 @@ pub const API_ACCESS: &[&str] = &[
 ];
 
 use self::cache::{NodeCache, PodCache, RawNodeCache};
-use self::decide::{Fit, Rejection};
+use self::decide::Rejection;
 use self::extender::{
     ExtenderArgs, ExtenderBindingArgs, ExtenderBindingResult, ExtenderFilterResult, ExtenderPreemptionArgs,
     ExtenderPreemptionResult, HostPriority, HostPriorityList, MetaPod, MetaVictims, NodeList,
@@ -295,23 +295,12 @@ impl Scorer {
                         .into(),
                 ));
             };
-            names
-                .iter()
-                .zip(cache.get_many(names))
-                .map(|(name, state)| {
-                    state.unwrap_or_else(|| {
-                        Arc::new(NodeState {
-                            name: name.clone(),
-                            resource_version: String::new(),
-                            unit_mib: 1,
-                            cpu_milli: 0,
-                            memory_mib: 0,
-                            gpus: Vec::new(),
-                            problem: Some("node is not (yet) in the scorer's node cache".into()),
-                        })
-                    })
-                })
-                .collect()
+            cache.get_many(names, |name| {
+                Arc::new(NodeState::broken(
+                    name,
+                    "node is not (yet) in the scorer's node cache".into(),
+                ))
+            })
         } else {
             return Err(BadRequest("ExtenderArgs has neither Nodes nor NodeNames".into()));
         };
@@ -386,12 +375,14 @@ impl Scorer {
                 ..list
             });
         } else {
+            // The request's own strings, in its order (the states are in the same order).
+            let names = args.node_names.take().unwrap_or_default();
             result.node_names = Some(
-                states
-                    .iter()
+                names
+                    .into_iter()
                     .zip(&keep)
                     .filter(|(_, k)| **k)
-                    .map(|(s, _)| s.name.clone())
+                    .map(|(n, _)| n)
                     .collect(),
             );
         }
@@ -400,32 +391,27 @@ impl Scorer {
     }
 
     /// `prioritize`: every candidate node gets a score; nodes that cannot host the pod get 0.
-    pub fn prioritize(&self, args: ExtenderArgs) -> Result<HostPriorityList, BadRequest> {
+    pub fn prioritize(&self, mut args: ExtenderArgs) -> Result<HostPriorityList, BadRequest> {
         let start = Instant::now();
         let demand = self.demand(args.pod.as_ref())?;
         let states = self.candidates(&args)?;
         let mut scores: Vec<i64> = vec![extender::MIN_EXTENDER_PRIORITY; states.len()];
         if let Ok(Some(d)) = demand {
-            let refs: Vec<&NodeState> = states.iter().map(|s| s.as_ref()).collect();
-            let fits: Vec<(usize, Fit)> = refs
-                .iter()
-                .enumerate()
-                .filter_map(|(i, s)| decide::check(s, &d).ok().map(|f| (i, f)))
-                .collect();
-            let load = decide::load(&refs);
-            let ranked =
-                decide::prioritize_cached(&refs, &fits, &d, &self.config, load, Some(&self.policy_cache));
-            for (i, s) in ranked {
-                scores[i] = s.score;
+            let ranked = decide::prioritize(&states, &d, &self.config, &self.policy_cache);
+            for (score, ranked) in scores.iter_mut().zip(ranked) {
+                if let Some(r) = ranked {
+                    *score = r.score;
+                }
             }
         }
-        let list = states
-            .iter()
+        let names = match args.node_names.take() {
+            Some(names) => names,
+            None => states.iter().map(|s| s.name.clone()).collect(),
+        };
+        let list = names
+            .into_iter()
             .zip(scores)
-            .map(|(s, score)| HostPriority {
-                host: s.name.clone(),
-                score,
-            })
+            .map(|(host, score)| HostPriority { host, score })
             .collect();
         self.observe("prioritize", start);
         Ok(list)
@@ -553,18 +539,23 @@ impl Scorer {
             for r in self.other_replicas_binds(&node) {
                 ledger::subtract(&mut node, &r);
             }
-            let config = &self.config;
+            let (config, cache) = (&self.config, &self.policy_cache);
             let r = self.ledger.reserve(&mut node, |n| {
-                let fit = decide::check(n, d).map_err(|r| format!("node {}: {}", n.name, r.reason))?;
-                let load = decide::load(&[n]);
-                let scored = decide::prioritize(&[n], &[(0, fit)], d, config, load);
-                let gpus = scored.into_iter().next().map(|(_, s)| s.gpus).unwrap_or_default();
+                decide::check(n, d).map_err(|r| format!("node {}: {}", n.name, r.reason))?;
+                // The view prioritize used: the GPU(s) its score was for.
+                let scored = decide::prioritize(&[Arc::new(n.clone())], d, config, cache);
+                let gpus = scored
+                    .into_iter()
+                    .flatten()
+                    .next()
+                    .map(|s| s.gpus)
+                    .unwrap_or_default();
                 if gpus.is_empty() {
                     return Err(format!("node {}: no GPU chosen", n.name));
                 }
                 Ok(Reservation {
                     pod: d.key.clone(),
-                    gpus: gpus.iter().map(|&p| (p, n.gpus[p].uuid.clone())).collect(),
+                    gpus: gpus.iter().map(|p| (p, n.gpus[p].uuid.clone())).collect(),
                     mib: match d.demand {
                         state::Demand::Memory { .. } => Some(d.memory_mib(n.unit_mib)),
                         state::Demand::Whole { .. } => None,

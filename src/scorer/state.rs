@@ -135,7 +135,8 @@ impl NodeState {
         }
     }
 
-    fn broken(name: &str, problem: String) -> NodeState {
+    /// A node GPU pods cannot go to, for `problem`.
+    pub fn broken(name: &str, problem: String) -> NodeState {
         NodeState {
             name: name.to_string(),
             resource_version: String::new(),
