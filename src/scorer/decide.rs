@@ -488,34 +488,38 @@ impl View {
     }
 
     /// Where in `policies` the policy for requests of `need` MiB is, built for the current shape.
+    ///
+    /// A policy's state does not depend on the amount (its caches are checked by node content, its memo
+    /// by request): one per amount only keeps a memo per amount. So a new amount, with all places taken,
+    /// takes over the least recently used policy if it was built for this shape, caches and all.
     fn policy(&mut self, need: u64, cfg: &Config, mix: &TypicalMix) -> Option<usize> {
         let (calls, shape) = (self.calls, self.shape);
+        let lru = || (0..self.policies.len()).min_by_key(|&i| self.policies[i].last_used);
         let at = match self.policies.iter().position(|p| p.need == need) {
             Some(at) if self.policies[at].shape == shape => at,
-            found => {
+            Some(at) => {
+                self.policies[at].policy = alloc::build_policy(&cfg.policy, &self.cluster, mix)?;
+                self.policies[at].shape = shape;
+                at
+            }
+            None if self.policies.len() >= MAX_POLICIES => {
+                let at = lru()?;
+                if self.policies[at].shape != shape {
+                    self.policies[at].policy = alloc::build_policy(&cfg.policy, &self.cluster, mix)?;
+                    self.policies[at].shape = shape;
+                }
+                self.policies[at].need = need;
+                at
+            }
+            None => {
                 let policy = alloc::build_policy(&cfg.policy, &self.cluster, mix)?;
-                let kept = KeptPolicy {
+                self.policies.push(KeptPolicy {
                     need,
                     shape,
                     last_used: calls,
                     policy,
-                };
-                match found {
-                    Some(at) => {
-                        self.policies[at] = kept;
-                        at
-                    }
-                    None => {
-                        if self.policies.len() >= MAX_POLICIES
-                            && let Some(lru) =
-                                (0..self.policies.len()).min_by_key(|&i| self.policies[i].last_used)
-                        {
-                            self.policies.swap_remove(lru);
-                        }
-                        self.policies.push(kept);
-                        self.policies.len() - 1
-                    }
-                }
+                });
+                self.policies.len() - 1
             }
         };
         self.policies[at].last_used = calls;
@@ -832,13 +836,14 @@ mod tests {
             answers
         };
         let all: Vec<usize> = (0..7).collect();
-        let sizes = [5000, 3000, 5000, 1000, 7000, 5000];
-        for round in 0..12 {
-            // Another order each call, as kube-scheduler sends them; sizes repeat.
+        // Six amounts, more than the policies kept: some repeat, some take over another's policy.
+        let sizes = [5000, 3000, 5000, 1000, 7000, 2000, 9000, 5000];
+        for round in 0..16 {
+            // Another order each call, as kube-scheduler sends them.
             let order: Vec<usize> = (0..7).map(|k| (k * 3 + round) % 7).collect();
             let p = pod(
                 Demand::Memory {
-                    units: sizes[round % 6],
+                    units: sizes[round % 8],
                 },
                 WorkloadClass::Offline,
             );
@@ -855,11 +860,13 @@ mod tests {
                 run(&nodes, subset, &p, &fresh),
                 "round {round}"
             );
-            // Usage changes (the view is updated in place), then the shape changes (policies rebuilt).
+            // Usage changes (the view is updated in place).
             match round % 4 {
                 0 => Arc::make_mut(&mut nodes[round % 7]).gpus[1].allocated_mib = 16000 - round as u64,
                 1 => Arc::make_mut(&mut nodes[4]).gpus[0].allocated_mib = round as u64 * 100,
-                2 => Arc::make_mut(&mut nodes[4]).gpus[0].memory_mib = 40960 + round as u64,
+                // Twice a shape change (a GPU's capacity): the policies are built again.
+                2 if round % 8 == 2 => Arc::make_mut(&mut nodes[4]).gpus[0].memory_mib = 81920 + round as u64,
+                2 => Arc::make_mut(&mut nodes[5]).gpus[3].allocated_mib = 1000 * round as u64,
                 _ => Arc::make_mut(&mut nodes[round % 7]).gpus[2].allocated_mib = 0,
             }
         }
