@@ -131,14 +131,14 @@ impl NodeCache {
 
     /// The GPU states of `names` (in that order), under one lock; `missing` stands in for a node the
     /// cache does not have.
-    pub fn get_many(
+    pub fn get_many<'a>(
         &self,
-        names: &[String],
+        names: impl IntoIterator<Item = &'a str>,
         missing: impl Fn(&str) -> Arc<NodeState>,
     ) -> Vec<Arc<NodeState>> {
         let view = self.read();
         names
-            .iter()
+            .into_iter()
             .map(|n| view.nodes.get(n).cloned().unwrap_or_else(|| missing(n)))
             .collect()
     }
@@ -392,7 +392,7 @@ mod tests {
         let stand_in = |name: &str| Arc::new(NodeState::broken(name, "missing".into()));
         assert_eq!(
             cache
-                .get_many(&["c".into(), "zz".into()], stand_in)
+                .get_many(["c", "zz"], stand_in)
                 .iter()
                 .map(|n| (n.name.as_str(), n.problem.as_deref() == Some("missing")))
                 .collect::<Vec<_>>(),

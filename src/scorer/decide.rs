@@ -51,30 +51,18 @@ pub fn check(node: &NodeState, pod: &PodDemand) -> Result<Fit, Rejection> {
     if let Some(problem) = &node.problem {
         return Err(Rejection::new(problem.clone(), "bad_annotation", true));
     }
-    if node.gpus.is_empty() {
+    if node.gpus().is_empty() {
         return Err(Rejection::new("node has no GPUs".into(), "no_gpu", true));
     }
     // Node states never hold more than MAX_GPUS_PER_NODE GPUs (see `state`), so a mask holds them all.
-    let mut allowed = 0usize;
-    let mut eligible = GpuMask::EMPTY;
-    let mut last: Option<(&str, bool)> = None;
-    for (p, g) in node.gpus.iter().enumerate() {
-        // Most pods accept any model; a node's GPUs are mostly of one model: compare each once.
-        let ok = pod.models.is_none()
-            || match last {
-                Some((m, ok)) if m == g.model => ok,
-                _ => pod.allows_model(&g.model),
-            };
-        last = Some((&g.model, ok));
-        if ok {
-            allowed += 1;
-            if g.healthy {
-                eligible = eligible.with(p);
-            }
-        }
-    }
+    // Most pods accept any model: then the node's summary answers without reading its GPUs.
+    let summary = node.summary();
+    let (allowed, eligible) = match pod.models {
+        None => (node.gpus().len(), summary.healthy),
+        Some(_) => allowed_models(node, pod),
+    };
     if allowed == 0 {
-        let mut models: Vec<&str> = node.gpus.iter().map(|g| g.model.as_str()).collect();
+        let mut models: Vec<&str> = node.gpus().iter().map(|g| g.model.as_str()).collect();
         models.dedup();
         return Err(Rejection::new(
             format!(
@@ -100,11 +88,15 @@ pub fn check(node: &NodeState, pod: &PodDemand) -> Result<Fit, Rejection> {
     match pod.demand {
         Demand::Memory { .. } => {
             let need = pod.memory_mib(node.unit_mib);
-            let largest = eligible
-                .iter()
-                .map(|p| node.gpus[p].free_mib())
-                .max()
-                .unwrap_or(0);
+            let largest = if eligible == summary.healthy {
+                summary.largest_free_mib
+            } else {
+                eligible
+                    .iter()
+                    .map(|p| node.gpus()[p].free_mib())
+                    .max()
+                    .unwrap_or(0)
+            };
             if largest >= need {
                 return Ok(Fit {
                     need_mib: need,
@@ -114,7 +106,7 @@ pub fn check(node: &NodeState, pod: &PodDemand) -> Result<Fit, Rejection> {
             }
             let biggest = eligible
                 .iter()
-                .map(|p| node.gpus[p].memory_mib)
+                .map(|p| node.gpus()[p].memory_mib)
                 .max()
                 .unwrap_or(0);
             let (extra, unresolvable) = if biggest < need {
@@ -136,12 +128,7 @@ pub fn check(node: &NodeState, pod: &PodDemand) -> Result<Fit, Rejection> {
         }
         Demand::Whole { count } => {
             let n = count as usize;
-            let idle = GpuMask(
-                eligible
-                    .iter()
-                    .filter(|&p| node.gpus[p].is_idle())
-                    .fold(0, |m, p| m | 1 << p),
-            );
+            let idle = GpuMask(eligible.0 & summary.idle.0);
             let idle_count = idle.count() as usize;
             if idle_count < n {
                 return Err(Rejection::new(
@@ -180,10 +167,32 @@ pub fn check(node: &NodeState, pod: &PodDemand) -> Result<Fit, Rejection> {
     }
 }
 
+/// How many of `node`'s GPUs are of a model `pod` allows, and which of those are healthy.
+fn allowed_models(node: &NodeState, pod: &PodDemand) -> (usize, GpuMask) {
+    let mut allowed = 0usize;
+    let mut eligible = GpuMask::EMPTY;
+    let mut last: Option<(&str, bool)> = None;
+    for (p, g) in node.gpus().iter().enumerate() {
+        // A node's GPUs are mostly of one model: compare each model once.
+        let ok = match last {
+            Some((m, ok)) if m == g.model => ok,
+            _ => pod.allows_model(&g.model),
+        };
+        last = Some((&g.model, ok));
+        if ok {
+            allowed += 1;
+            if g.healthy {
+                eligible = eligible.with(p);
+            }
+        }
+    }
+    (allowed, eligible)
+}
+
 /// Pair scores of a node's GPUs from the topology annotation (see [`pair_score`]).
 pub fn pair_scores(node: &NodeState) -> PairScores {
-    PairScores::new(node.gpus.len(), |a, b| {
-        let (ga, gb) = (&node.gpus[a], &node.gpus[b]);
+    PairScores::new(node.gpus().len(), |a, b| {
+        let (ga, gb) = (&node.gpus()[a], &node.gpus()[b]);
         let level = if ga.pcie_switch.is_some() && ga.pcie_switch == gb.pcie_switch {
             TopologyLevel::Single
         } else if ga.numa_node.is_some() && ga.numa_node == gb.numa_node {
@@ -213,7 +222,7 @@ fn topology_set(node: &NodeState, idle: &[usize], n: usize, need: TopologyNeed) 
         TopologyNeed::Numa | TopologyNeed::PcieSwitch => {
             let mut by: BTreeMap<u32, Vec<usize>> = BTreeMap::new();
             for &p in idle {
-                let g = &node.gpus[p];
+                let g = &node.gpus()[p];
                 if let Some(k) = if need == TopologyNeed::Numa {
                     g.numa_node
                 } else {
@@ -244,7 +253,7 @@ fn nvlink_clique(
     idle: &[usize],
     n: usize,
 ) -> Option<(Vec<usize>, u64)> {
-    let linked = |a: usize, b: usize| node.gpus[a].nvlinks_to(b) > 0;
+    let linked = |a: usize, b: usize| node.gpus()[a].nvlinks_to(b) > 0;
     let mut best: Option<(Vec<usize>, u64)> = None;
     let mut stack: Vec<usize> = Vec::with_capacity(n);
     let mut budget = 100_000u32;
@@ -358,6 +367,8 @@ struct View {
     calls: u64,
     /// Bumped when the shape changes; a policy built for another shape is stale.
     shape: u64,
+    /// Scratch for one call, by position: the index of the node's first fit, or [`NOT_LISTED`].
+    first: Vec<u32>,
     policies: Vec<KeptPolicy>,
 }
 
@@ -381,7 +392,15 @@ const MAX_POLICIES: usize = 4;
 /// A node no call has listed for this many calls is forgotten (deleted, or always filtered out earlier).
 const FORGET_AFTER_CALLS: u64 = 100_000;
 
+const NOT_LISTED: u32 = u32::MAX;
+
 impl View {
+    /// Which fit of this call listed position `at` first, if any.
+    fn first_fit(&self, at: u32) -> Option<usize> {
+        let k = *self.first.get(at as usize)?;
+        (k != NOT_LISTED).then_some(k as usize)
+    }
+
     /// Writes `node` as `pod` sees it (only `fit.eligible` GPUs have free memory) at its position.
     fn place(&mut self, node: &Arc<NodeState>, fit: &Fit, pod: &PodDemand) -> u32 {
         // kube-scheduler checks CPU and memory; the policy must not refuse on them.
@@ -401,7 +420,7 @@ impl View {
             .eligible
             .iter()
             .next()
-            .and_then(|p| self.cluster.models.intern(&node.gpus[p].model).ok())
+            .and_then(|p| self.cluster.models.intern(&node.gpus()[p].model).ok())
             .unwrap_or(0);
         let mut same = self.cluster.models.len() == model_count;
         let at = match self.position.get(node.name.as_str()) {
@@ -422,12 +441,12 @@ impl View {
         same &= v.model == model
             && v.cpu_capacity == cpu
             && v.memory_capacity == memory
-            && v.gpus.len() == node.gpus.len();
+            && v.gpus.len() == node.gpus().len();
         v.model = model;
         (v.cpu_capacity, v.cpu_free) = (cpu, cpu);
         (v.memory_capacity, v.memory_free) = (memory, memory);
-        v.gpus.resize(node.gpus.len(), Gpu { capacity: 0, free: 0 });
-        for (p, (g, out)) in node.gpus.iter().zip(v.gpus.iter_mut()).enumerate() {
+        v.gpus.resize(node.gpus().len(), Gpu { capacity: 0, free: 0 });
+        for (p, (g, out)) in node.gpus().iter().zip(v.gpus.iter_mut()).enumerate() {
             let capacity = u32::try_from(g.memory_mib).unwrap_or(u32::MAX);
             let free = if fit.eligible.contains(p) {
                 u32::try_from(g.free_mib()).unwrap_or(u32::MAX)
@@ -543,21 +562,29 @@ pub fn prioritize(
         let mut view = cache.view.lock().unwrap_or_else(|e| e.into_inner());
         view.calls += 1;
         view.forget_gone();
-        // One pass over the nodes: their GPU state is most of the memory a call reads, and it is
-        // still in cache for the view's copy right after the check.
-        // (position in the view, index into `fits`)
-        let mut placed: Vec<(u32, usize)> = Vec::new();
+        // Each fit's position in the view; a node listed twice is scored once, for its first listing.
+        let mut at_of: Vec<u32> = Vec::with_capacity(nodes.len());
+        let mut repeated: Vec<(usize, usize)> = Vec::new();
         for (i, n) in nodes.iter().enumerate() {
             if n.problem.is_none() {
-                let (u, t) = n.allocated_fraction();
-                (used, total) = (used + u, total + t);
+                let s = n.summary();
+                (used, total) = (used + s.allocated_mib, total + s.total_mib);
             }
             if let Ok(fit) = check(n, pod) {
-                placed.push((view.place(n, &fit, pod), fits.len()));
+                let at = view.place(n, &fit, pod);
+                let k = fits.len();
+                match view.first_fit(at) {
+                    Some(first) => repeated.push((k, first)),
+                    None => {
+                        let len = view.cluster.nodes.len();
+                        view.first.resize(len, NOT_LISTED);
+                        view.first[at as usize] = k as u32;
+                    }
+                }
+                at_of.push(at);
                 fits.push((i, fit));
             }
         }
-        placed.sort_unstable();
         policy_score = vec![None; fits.len()];
         let mix = typical_mix(cfg);
         // Nodes with different memory units turn one request into different MiB: one policy run per amount.
@@ -567,12 +594,10 @@ pub fn prioritize(
         let mut rng = rand_pcg::Pcg64Mcg::seed_from_u64(1);
         let mut out = Vec::new();
         for need in needs {
-            let mut members: Vec<u32> = placed
-                .iter()
-                .filter(|(_, k)| fits[*k].1.need_mib == need)
-                .map(|(at, _)| *at)
+            // Ascending positions, as `score_nodes` takes them: a scan of the view, cheaper than a sort.
+            let members: Vec<u32> = (0..view.first.len() as u32)
+                .filter(|&at| view.first_fit(at).is_some_and(|k| fits[k].1.need_mib == need))
                 .collect();
-            members.dedup();
             let gpu = match pod.demand {
                 Demand::Memory { .. } => GpuDemand::Shared {
                     amount: u32::try_from(need).unwrap_or(u32::MAX),
@@ -595,13 +620,18 @@ pub fn prioritize(
                 .policy
                 .score_nodes(cluster, &members, &req, &mut rng, &mut out);
             for c in &out {
-                let from = placed.partition_point(|(at, _)| *at < c.node);
-                for (_, k) in placed[from..].iter().take_while(|(at, _)| *at == c.node) {
-                    if fits[*k].1.need_mib == need {
-                        policy_score[*k] = Some((c.score, c.gpus));
-                    }
+                if let Some(k) = view.first_fit(c.node) {
+                    policy_score[k] = Some((c.score, c.gpus));
                 }
             }
+        }
+        for &(k, first) in &repeated {
+            if fits[k].1.need_mib == fits[first].1.need_mib {
+                policy_score[k] = policy_score[first];
+            }
+        }
+        for &at in &at_of {
+            view.first[at as usize] = NOT_LISTED;
         }
     }
     let load = if total == 0 {
@@ -641,26 +671,26 @@ pub fn prioritize(
                 (None, Demand::Memory { .. }) => fit
                     .eligible
                     .iter()
-                    .filter(|&p| n.gpus[p].free_mib() >= fit.need_mib)
-                    .min_by_key(|&p| (n.gpus[p].free_mib(), p))
+                    .filter(|&p| n.gpus()[p].free_mib() >= fit.need_mib)
+                    .min_by_key(|&p| (n.gpus()[p].free_mib(), p))
                     .map_or(GpuMask::EMPTY, GpuMask::single),
                 (None, Demand::Whole { count }) => fit
                     .eligible
                     .iter()
-                    .filter(|&p| n.gpus[p].is_idle())
+                    .filter(|&p| n.gpus()[p].is_idle())
                     .take(count as usize)
                     .fold(GpuMask::EMPTY, GpuMask::with),
             };
             // How much room the placement leaves: on the GPU used (memory), on the node (whole GPUs).
             let room = match pod.demand {
                 Demand::Memory { .. } => gpus.iter().next().map_or(0.0, |p| {
-                    let g = &n.gpus[p];
+                    let g = &n.gpus()[p];
                     g.free_mib().saturating_sub(fit.need_mib) as f64 / g.memory_mib.max(1) as f64
                 }),
                 Demand::Whole { .. } => {
-                    let total: u64 = fit.eligible.iter().map(|p| n.gpus[p].memory_mib).sum();
-                    let taken: u64 = gpus.iter().map(|p| n.gpus[p].memory_mib).sum();
-                    let free: u64 = fit.eligible.iter().map(|p| n.gpus[p].free_mib()).sum();
+                    let total: u64 = fit.eligible.iter().map(|p| n.gpus()[p].memory_mib).sum();
+                    let taken: u64 = gpus.iter().map(|p| n.gpus()[p].memory_mib).sum();
+                    let free: u64 = fit.eligible.iter().map(|p| n.gpus()[p].free_mib()).sum();
                     free.saturating_sub(taken) as f64 / total.max(1) as f64
                 }
             };
@@ -700,7 +730,7 @@ pub fn fragmentation(nodes: &[&NodeState], cfg: &Config) -> Fragmentation {
         .iter()
         .filter(|n| n.problem.is_none())
         .map(|n| {
-            let healthy = || n.gpus.iter().filter(|g| g.healthy);
+            let healthy = || n.gpus().iter().filter(|g| g.healthy);
             let model = healthy()
                 .next()
                 .and_then(|g| models.intern(&g.model).ok())
@@ -756,15 +786,9 @@ mod tests {
     }
 
     fn node(name: &str, gpus: Vec<GpuState>) -> NodeState {
-        NodeState {
-            name: name.into(),
-            resource_version: "1".into(),
-            unit_mib: 1,
-            cpu_milli: 64_000,
-            memory_mib: 512_000,
-            gpus,
-            problem: None,
-        }
+        let mut node = NodeState::with_gpus(name, 1, gpus);
+        (node.cpu_milli, node.memory_mib) = (64_000, 512_000);
+        node
     }
 
     fn pod(demand: Demand, class: WorkloadClass) -> PodDemand {
@@ -777,6 +801,66 @@ mod tests {
             class,
             cpu_milli: 1000,
             memory_mib: 1024,
+        }
+    }
+
+    #[test]
+    fn the_node_summary_answers_as_the_gpus_do() {
+        // `check` reads a node's summary, not its GPUs: its answers must be what the GPUs say, also
+        // after they change in place.
+        let mut x = 0x2545_f491_4f6c_dd1du64;
+        let mut next = move |m: u64| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x % m
+        };
+        for _ in 0..300 {
+            let gpus = (0..1 + next(8) as usize)
+                .map(|i| {
+                    let memory = [16384, 81920][next(2) as usize];
+                    let mut g = gpu(i, memory, [0, 4096, 16384, memory][next(4) as usize].min(memory));
+                    g.whole = next(5) == 0;
+                    g.healthy = next(4) != 0;
+                    g
+                })
+                .collect();
+            let mut n = node("n", gpus);
+            for change in 0..2 {
+                if change == 1 {
+                    let mut gpus = n.gpus_mut();
+                    let p = next(gpus.len() as u64) as usize;
+                    gpus[p].allocated_mib = 0;
+                    gpus[p].whole = !gpus[p].whole;
+                    gpus[p].healthy = !gpus[p].healthy;
+                }
+                let healthy = || n.gpus().iter().filter(|g| g.healthy);
+                let eligible = (0..n.gpus().len())
+                    .filter(|&p| n.gpus()[p].healthy)
+                    .fold(GpuMask::EMPTY, GpuMask::with);
+                let need = 1 + next(20000);
+                let fits = check(&n, &pod(Demand::Memory { units: need }, WorkloadClass::Online));
+                let room = healthy().map(|g| g.free_mib()).max().unwrap_or(0);
+                assert_eq!(
+                    fits.as_ref().ok().map(|f| f.eligible),
+                    (room >= need).then_some(eligible)
+                );
+                if let Err(r) = fits {
+                    assert!(r.reason.starts_with(&format!("largest free GPU has {room} MiB")) || room == 0);
+                }
+                let idle = healthy().filter(|g| g.is_idle()).count() as u32;
+                for count in [1, 2] {
+                    let fits = check(&n, &pod(Demand::Whole { count }, WorkloadClass::Online));
+                    assert_eq!(fits.is_ok(), idle >= count, "{count} of {:?}", n.gpus());
+                }
+                assert_eq!(
+                    (n.summary().allocated_mib, n.summary().total_mib),
+                    n.gpus().iter().fold((0, 0), |(a, t), g| (
+                        a + g.memory_mib - g.free_mib(),
+                        t + g.memory_mib
+                    ))
+                );
+            }
         }
     }
 
@@ -862,12 +946,14 @@ mod tests {
             );
             // Usage changes (the view is updated in place).
             match round % 4 {
-                0 => Arc::make_mut(&mut nodes[round % 7]).gpus[1].allocated_mib = 16000 - round as u64,
-                1 => Arc::make_mut(&mut nodes[4]).gpus[0].allocated_mib = round as u64 * 100,
+                0 => Arc::make_mut(&mut nodes[round % 7]).gpus_mut()[1].allocated_mib = 16000 - round as u64,
+                1 => Arc::make_mut(&mut nodes[4]).gpus_mut()[0].allocated_mib = round as u64 * 100,
                 // Twice a shape change (a GPU's capacity): the policies are built again.
-                2 if round % 8 == 2 => Arc::make_mut(&mut nodes[4]).gpus[0].memory_mib = 81920 + round as u64,
-                2 => Arc::make_mut(&mut nodes[5]).gpus[3].allocated_mib = 1000 * round as u64,
-                _ => Arc::make_mut(&mut nodes[round % 7]).gpus[2].allocated_mib = 0,
+                2 if round % 8 == 2 => {
+                    Arc::make_mut(&mut nodes[4]).gpus_mut()[0].memory_mib = 81920 + round as u64
+                }
+                2 => Arc::make_mut(&mut nodes[5]).gpus_mut()[3].allocated_mib = 1000 * round as u64,
+                _ => Arc::make_mut(&mut nodes[round % 7]).gpus_mut()[2].allocated_mib = 0,
             }
         }
         let view = kept.view.lock().expect("lock");

@@ -117,7 +117,7 @@ fn apply_locked(nodes: &mut HashMap<String, Vec<Reservation>>, ttl: Duration, no
             .iter()
             .any(|(p, _)| gpus.get(*p).is_some_and(|g| g.pods.contains(&r.pod)))
     };
-    list.retain(|r| now.duration_since(r.at) < ttl && !visible(r, &node.gpus));
+    list.retain(|r| now.duration_since(r.at) < ttl && !visible(r, node.gpus()));
     let taken = list.iter().map(|r| subtract(node, r)).sum();
     if list.is_empty() {
         nodes.remove(&node.name);
@@ -128,9 +128,10 @@ fn apply_locked(nodes: &mut HashMap<String, Vec<Reservation>>, ttl: Duration, no
 /// Takes what `r` holds out of `node`'s free memory; returns the MiB taken.
 pub fn subtract(node: &mut NodeState, r: &Reservation) -> u64 {
     let mut taken = 0;
+    let mut gpus = node.gpus_mut();
     for (p, uuid) in &r.gpus {
         // Match by UUID: positions only hold while the node's GPU list is the same.
-        let Some(g) = node.gpus.get_mut(*p).filter(|g| g.uuid == *uuid) else {
+        let Some(g) = gpus.get_mut(*p).filter(|g| g.uuid == *uuid) else {
             continue;
         };
         match r.mib {
@@ -153,39 +154,36 @@ mod tests {
     use super::*;
 
     fn node(free: &[u64]) -> NodeState {
-        NodeState {
-            name: "n".into(),
-            resource_version: "1".into(),
-            unit_mib: 1,
-            cpu_milli: 0,
-            memory_mib: 0,
-            gpus: free
-                .iter()
-                .enumerate()
-                .map(|(i, &f)| GpuState {
-                    index: i as u32,
-                    uuid: format!("GPU-{i}"),
-                    model: "m".into(),
-                    memory_mib: 8000,
-                    allocated_mib: 8000 - f,
-                    whole: false,
-                    healthy: true,
-                    numa_node: None,
-                    pcie_switch: None,
-                    nvlink: Vec::new(),
-                    pods: Vec::new(),
-                })
-                .collect(),
-            problem: None,
-        }
+        let gpus = free
+            .iter()
+            .enumerate()
+            .map(|(i, &f)| GpuState {
+                index: i as u32,
+                uuid: format!("GPU-{i}"),
+                model: "m".into(),
+                memory_mib: 8000,
+                allocated_mib: 8000 - f,
+                whole: false,
+                healthy: true,
+                numa_node: None,
+                pcie_switch: None,
+                nvlink: Vec::new(),
+                pods: Vec::new(),
+            })
+            .collect();
+        NodeState::with_gpus("n", 1, gpus)
     }
 
     fn take(pod: &str, mib: u64) -> impl FnOnce(&NodeState) -> Result<Reservation, String> {
         move |n: &NodeState| {
-            let p = n.gpus.iter().position(|g| g.free_mib() >= mib).ok_or("no room")?;
+            let p = n
+                .gpus()
+                .iter()
+                .position(|g| g.free_mib() >= mib)
+                .ok_or("no room")?;
             Ok(Reservation {
                 pod: pod.into(),
-                gpus: vec![(p, n.gpus[p].uuid.clone())],
+                gpus: vec![(p, n.gpus()[p].uuid.clone())],
                 mib: Some(mib),
                 at: Instant::now(),
             })
@@ -204,11 +202,11 @@ mod tests {
         );
         let mut seen = node(&[6000]);
         assert_eq!(ledger.apply(&mut seen), 5000);
-        assert_eq!(seen.gpus[0].free_mib(), 1000);
+        assert_eq!(seen.gpus()[0].free_mib(), 1000);
 
         // The agent reports p1: the reservation is dropped, the annotation alone counts.
         let mut reported = node(&[1000]);
-        reported.gpus[0].pods.push("a/p1".into());
+        reported.gpus_mut()[0].pods.push("a/p1".into());
         assert_eq!(ledger.apply(&mut reported), 0);
         assert!(ledger.is_empty());
     }

@@ -51,7 +51,7 @@ use self::cache::{NodeCache, PodCache, RawNodeCache};
 use self::decide::Rejection;
 use self::extender::{
     ExtenderArgs, ExtenderBindingArgs, ExtenderBindingResult, ExtenderFilterResult, ExtenderPreemptionArgs,
-    ExtenderPreemptionResult, HostPriority, HostPriorityList, MetaPod, MetaVictims, NodeList,
+    ExtenderPreemptionResult, HostPriorities, MetaPod, MetaVictims, NodeList,
 };
 use self::ledger::{Ledger, Reservation};
 use self::metrics::{Metrics, ReasonLabel, VerbLabel};
@@ -295,7 +295,7 @@ impl Scorer {
                         .into(),
                 ));
             };
-            cache.get_many(names, |name| {
+            cache.get_many(names.iter(), |name| {
                 Arc::new(NodeState::broken(
                     name,
                     "node is not (yet) in the scorer's node cache".into(),
@@ -375,23 +375,21 @@ impl Scorer {
                 ..list
             });
         } else {
-            // The request's own strings, in its order (the states are in the same order).
+            // The request's own names, in its order (the states are in the same order): handed back
+            // as they came when every node passes, else the kept ones copied into one buffer.
             let names = args.node_names.take().unwrap_or_default();
-            result.node_names = Some(
+            result.node_names = Some(if keep.iter().all(|k| *k) {
                 names
-                    .into_iter()
-                    .zip(&keep)
-                    .filter(|(_, k)| **k)
-                    .map(|(n, _)| n)
-                    .collect(),
-            );
+            } else {
+                names.keep(&keep)
+            });
         }
         self.observe("filter", start);
         Ok(result)
     }
 
     /// `prioritize`: every candidate node gets a score; nodes that cannot host the pod get 0.
-    pub fn prioritize(&self, mut args: ExtenderArgs) -> Result<HostPriorityList, BadRequest> {
+    pub fn prioritize(&self, mut args: ExtenderArgs) -> Result<HostPriorities, BadRequest> {
         let start = Instant::now();
         let demand = self.demand(args.pod.as_ref())?;
         let states = self.candidates(&args)?;
@@ -404,17 +402,14 @@ impl Scorer {
                 }
             }
         }
+        // Named as `candidates` chose the states: from `Nodes` when given (even if `NodeNames` is
+        // too), else the request's own names, in the same order.
         let names = match args.node_names.take() {
-            Some(names) => names,
-            None => states.iter().map(|s| s.name.clone()).collect(),
+            Some(names) if args.nodes.is_none() => names,
+            _ => states.iter().map(|s| s.name.as_str()).collect(),
         };
-        let list = names
-            .into_iter()
-            .zip(scores)
-            .map(|(host, score)| HostPriority { host, score })
-            .collect();
         self.observe("prioritize", start);
-        Ok(list)
+        Ok(HostPriorities::new(names, scores))
     }
 
     /// The GPU state of one node: from the cache, else from the API server.
@@ -475,7 +470,7 @@ impl Scorer {
                     .ok()?;
                 let age = now.duration_since(at).as_secs();
                 let d = state::pod_demand(pod, &self.rules).ok()??;
-                let visible = node.gpus.iter().any(|g| g.pods.contains(&d.key));
+                let visible = node.gpus().iter().any(|g| g.pods.contains(&d.key));
                 if uuids.is_empty()
                     || age < 0
                     || age as u64 >= ttl
@@ -487,7 +482,7 @@ impl Scorer {
                 let gpus: Vec<(usize, String)> = uuids
                     .iter()
                     .filter_map(|u| {
-                        node.gpus
+                        node.gpus()
                             .iter()
                             .position(|g| g.uuid == *u)
                             .map(|p| (p, u.clone()))
@@ -555,7 +550,7 @@ impl Scorer {
                 }
                 Ok(Reservation {
                     pod: d.key.clone(),
-                    gpus: gpus.iter().map(|p| (p, n.gpus[p].uuid.clone())).collect(),
+                    gpus: gpus.iter().map(|p| (p, n.gpus()[p].uuid.clone())).collect(),
                     mib: match d.demand {
                         state::Demand::Memory { .. } => Some(d.memory_mib(n.unit_mib)),
                         state::Demand::Whole { .. } => None,

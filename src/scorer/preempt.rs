@@ -46,8 +46,8 @@ impl VictimInfo {
             .filter_map(|u| node.position_of(u))
             .collect();
         if gpus.is_empty() {
-            gpus = (0..node.gpus.len())
-                .filter(|&p| node.gpus[p].pods.contains(&key))
+            gpus = (0..node.gpus().len())
+                .filter(|&p| node.gpus()[p].pods.contains(&key))
                 .collect();
         }
         let mib = match demand.as_ref().map(|d| d.demand) {
@@ -86,15 +86,15 @@ pub fn select_victims(
     if cpu_victims.iter().any(|&v| !victims[v].preemptible) {
         return None;
     }
-    let eligible: Vec<usize> = (0..node.gpus.len())
-        .filter(|&p| node.gpus[p].healthy && pod.allows_model(&node.gpus[p].model))
+    let eligible: Vec<usize> = (0..node.gpus().len())
+        .filter(|&p| node.gpus()[p].healthy && pod.allows_model(&node.gpus()[p].model))
         .collect();
     let on_gpu = |p: usize| -> Vec<usize> {
         (0..victims.len())
             .filter(|&v| victims[v].preemptible && victims[v].gpus.contains(&p))
             .collect()
     };
-    let freed = |v: usize, p: usize| victims[v].mib.unwrap_or(node.gpus[p].memory_mib);
+    let freed = |v: usize, p: usize| victims[v].mib.unwrap_or(node.gpus()[p].memory_mib);
     let cost = |set: &[usize]| {
         let bad = set
             .iter()
@@ -117,7 +117,7 @@ pub fn select_victims(
             let need = pod.memory_mib(node.unit_mib);
             let mut best: Option<Vec<usize>> = None;
             for &p in &eligible {
-                let mut free = node.gpus[p].free_mib();
+                let mut free = node.gpus()[p].free_mib();
                 let mut set = Vec::new();
                 for v in order(p, on_gpu(p)) {
                     if free >= need {
@@ -136,7 +136,7 @@ pub fn select_victims(
             // Each GPU that can become idle, with the victims that must go for it.
             let mut options: Vec<Vec<usize>> = Vec::new();
             for &p in &eligible {
-                let g = &node.gpus[p];
+                let g = &node.gpus()[p];
                 let cands = on_gpu(p);
                 let freeable: u64 = cands.iter().map(|&v| freed(v, p)).sum();
                 if g.is_idle() {
@@ -228,31 +228,24 @@ mod tests {
     use super::*;
 
     fn node(allocated: &[u64]) -> NodeState {
-        NodeState {
-            name: "n".into(),
-            resource_version: "1".into(),
-            unit_mib: 1,
-            cpu_milli: 0,
-            memory_mib: 0,
-            gpus: allocated
-                .iter()
-                .enumerate()
-                .map(|(i, &a)| GpuState {
-                    index: i as u32,
-                    uuid: format!("GPU-{i}"),
-                    model: "m".into(),
-                    memory_mib: 8192,
-                    allocated_mib: a,
-                    whole: false,
-                    healthy: true,
-                    numa_node: None,
-                    pcie_switch: None,
-                    nvlink: Vec::new(),
-                    pods: Vec::new(),
-                })
-                .collect(),
-            problem: None,
-        }
+        let gpus = allocated
+            .iter()
+            .enumerate()
+            .map(|(i, &a)| GpuState {
+                index: i as u32,
+                uuid: format!("GPU-{i}"),
+                model: "m".into(),
+                memory_mib: 8192,
+                allocated_mib: a,
+                whole: false,
+                healthy: true,
+                numa_node: None,
+                pcie_switch: None,
+                nvlink: Vec::new(),
+                pods: Vec::new(),
+            })
+            .collect();
+        NodeState::with_gpus("n", 1, gpus)
     }
 
     fn victim(uid: &str, gpu: usize, mib: u64, preemptible: bool, pdb: bool) -> VictimInfo {

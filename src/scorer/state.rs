@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use serde::Deserialize;
 
-use crate::alloc::MAX_GPUS_PER_NODE;
+use crate::alloc::{GpuMask, MAX_GPUS_PER_NODE};
 use crate::node::{
     ASSIGNED_GPUS_ANNOTATION, GpuMode, Health, TOPOLOGY_ANNOTATION, TopologyAnnotation, USAGE_ANNOTATION,
     UsageAnnotation, label_value,
@@ -79,13 +79,93 @@ pub struct NodeState {
     pub unit_mib: u64,
     pub cpu_milli: u64,
     pub memory_mib: u64,
-    /// By GPU index, increasing.
-    pub gpus: Vec<GpuState>,
+    /// By GPU index, increasing; changed only through [`NodeState::gpus_mut`], which keeps `summary` true.
+    gpus: Vec<GpuState>,
+    summary: GpuSummary,
     /// Why GPU pods cannot go here (bad or missing annotations), if they cannot.
     pub problem: Option<String>,
 }
 
+/// What every decision asks of a node's GPUs, derived once per node state: a call checks a thousand
+/// nodes, and reading each one's GPU list (over a kilobyte with UUIDs, models and pods) would make the
+/// check cost memory traffic rather than arithmetic.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct GpuSummary {
+    /// Healthy GPUs, by position.
+    pub healthy: GpuMask,
+    /// GPUs with nothing allocated, by position.
+    pub idle: GpuMask,
+    /// The most free MiB on one healthy GPU.
+    pub largest_free_mib: u64,
+    /// GPU memory allocated (whole GPUs count in full) and in all, MiB.
+    pub allocated_mib: u64,
+    pub total_mib: u64,
+}
+
+impl GpuSummary {
+    fn of(gpus: &[GpuState]) -> GpuSummary {
+        let mut s = GpuSummary::default();
+        // Node states from annotations hold at most MAX_GPUS_PER_NODE GPUs (a mask's width).
+        for (p, g) in gpus.iter().enumerate().take(MAX_GPUS_PER_NODE) {
+            if g.healthy {
+                s.healthy = s.healthy.with(p);
+                s.largest_free_mib = s.largest_free_mib.max(g.free_mib());
+            }
+            if g.is_idle() {
+                s.idle = s.idle.with(p);
+            }
+            s.total_mib += g.memory_mib;
+            s.allocated_mib += g.memory_mib - g.free_mib().min(g.memory_mib);
+        }
+        s
+    }
+}
+
+/// Write access to a node's GPUs; the node's [`GpuSummary`] is brought up to date when it is dropped.
+pub struct GpusMut<'a>(&'a mut NodeState);
+
+impl std::ops::Deref for GpusMut<'_> {
+    type Target = Vec<GpuState>;
+    fn deref(&self) -> &Vec<GpuState> {
+        &self.0.gpus
+    }
+}
+
+impl std::ops::DerefMut for GpusMut<'_> {
+    fn deref_mut(&mut self) -> &mut Vec<GpuState> {
+        &mut self.0.gpus
+    }
+}
+
+impl Drop for GpusMut<'_> {
+    fn drop(&mut self) {
+        self.0.summary = GpuSummary::of(&self.0.gpus);
+    }
+}
+
 impl NodeState {
+    /// A node with these GPUs (and no CPU or memory figures).
+    pub fn with_gpus(name: &str, unit_mib: u64, gpus: Vec<GpuState>) -> NodeState {
+        let mut node = NodeState::broken(name, String::new());
+        node.problem = None;
+        node.unit_mib = unit_mib;
+        *node.gpus_mut() = gpus;
+        node
+    }
+
+    /// The GPUs, by index.
+    pub fn gpus(&self) -> &[GpuState] {
+        &self.gpus
+    }
+
+    pub fn gpus_mut(&mut self) -> GpusMut<'_> {
+        GpusMut(self)
+    }
+
+    pub fn summary(&self) -> &GpuSummary {
+        &self.summary
+    }
+
     /// From a Node object.
     pub fn from_node(node: &Node) -> NodeState {
         let empty = BTreeMap::new();
@@ -144,6 +224,7 @@ impl NodeState {
             cpu_milli: 0,
             memory_mib: 0,
             gpus: Vec::new(),
+            summary: GpuSummary::default(),
             problem: Some(problem),
         }
     }
@@ -163,7 +244,7 @@ impl NodeState {
         match read_gpus(labels, annotations) {
             Ok((unit, gpus)) => {
                 state.unit_mib = unit;
-                state.gpus = gpus;
+                *state.gpus_mut() = gpus;
                 state.problem = None;
             }
             Err(problem) => state.problem = Some(problem),
@@ -174,13 +255,6 @@ impl NodeState {
     /// GPU position of `uuid`.
     pub fn position_of(&self, uuid: &str) -> Option<usize> {
         self.gpus.iter().position(|g| g.uuid == uuid)
-    }
-
-    /// Share of this node's GPU memory in use (0 for a node without GPUs).
-    pub fn allocated_fraction(&self) -> (u64, u64) {
-        let total: u64 = self.gpus.iter().map(|g| g.memory_mib).sum();
-        let free: u64 = self.gpus.iter().map(GpuState::free_mib).sum();
-        (total - free.min(total), total)
     }
 }
 
