@@ -14,8 +14,8 @@ use std::collections::BTreeMap;
 use std::fmt;
 
 use k8s_openapi::api::core::v1::Pod;
+use serde::Serialize;
 use serde::de::{Deserialize, DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
-use serde::{Serialize, Serializer};
 use serde_json::value::RawValue;
 
 /// The score range an extender answers in (`MinExtenderPriority` / `MaxExtenderPriority`).
@@ -81,6 +81,8 @@ pub struct NodeNames {
     buf: String,
     /// Where each name ends in `buf` (it starts where the previous one ends).
     ends: Vec<usize>,
+    /// Some name needs escaping in JSON (never, for names Kubernetes accepts).
+    needs_escaping: bool,
 }
 
 impl NodeNames {
@@ -107,6 +109,12 @@ impl NodeNames {
     }
 
     pub fn push(&mut self, name: &str) {
+        self.needs_escaping |= name.bytes().any(|c| needs_escape(c) || c == b'"');
+        self.append(name);
+    }
+
+    /// Appends a name that needs no escaping, or any name once `needs_escaping` is set.
+    fn append(&mut self, name: &str) {
         self.buf.push_str(name);
         self.ends.push(self.buf.len());
     }
@@ -118,9 +126,10 @@ impl NodeNames {
             // An upper bound: one allocation each.
             buf: String::with_capacity(self.buf.len()),
             ends: Vec::with_capacity(keep.iter().filter(|k| **k).count()),
+            needs_escaping: self.needs_escaping,
         };
         for (name, _) in self.iter().zip(keep).filter(|(_, k)| **k) {
-            out.push(name);
+            out.append(name);
         }
         out
     }
@@ -182,14 +191,110 @@ impl fmt::Debug for NodeNames {
     }
 }
 
-impl Serialize for NodeNames {
-    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        s.collect_seq(self.iter())
+impl NodeNames {
+    /// The names of a JSON array of strings none of which has an escape (node names as Kubernetes
+    /// allows them never do), taken straight from the text; `None` for anything else. `text` must be
+    /// JSON already checked by serde_json: this only splits it.
+    fn split_plain(text: &str) -> Option<NodeNames> {
+        let b = text.as_bytes();
+        let skip_space = |i: &mut usize| {
+            while b
+                .get(*i)
+                .is_some_and(|c| matches!(c, b' ' | b'\t' | b'\n' | b'\r'))
+            {
+                *i += 1;
+            }
+        };
+        let mut i = 0;
+        skip_space(&mut i);
+        if b.get(i) != Some(&b'[') {
+            return None;
+        }
+        i += 1;
+        skip_space(&mut i);
+        let mut names = NodeNames {
+            buf: String::with_capacity(text.len()),
+            ..NodeNames::default()
+        };
+        if b.get(i) == Some(&b']') {
+            return Some(names);
+        }
+        loop {
+            if b.get(i) != Some(&b'"') {
+                return None;
+            }
+            // Checked JSON has no control characters in strings: without a backslash, the string
+            // ends at the next quote.
+            let start = i + 1;
+            i = start + memchr::memchr2(b'"', b'\\', b.get(start..)?)?;
+            if b[i] != b'"' {
+                return None;
+            }
+            names.append(&text[start..i]);
+            i += 1;
+            skip_space(&mut i);
+            match b.get(i) {
+                Some(b',') => {
+                    i += 1;
+                    skip_space(&mut i);
+                }
+                Some(b']') => return Some(names),
+                _ => return None,
+            }
+        }
+    }
+
+    /// Appends the names as a JSON array.
+    fn write_json(&self, out: &mut Vec<u8>) {
+        out.push(b'[');
+        for (k, name) in self.iter().enumerate() {
+            if k > 0 {
+                out.push(b',');
+            }
+            self.write_name(out, name);
+        }
+        out.push(b']');
+    }
+
+    /// Appends one of these names as a JSON string.
+    fn write_name(&self, out: &mut Vec<u8>, name: &str) {
+        if self.needs_escaping {
+            write_json_str(out, name);
+        } else {
+            out.push(b'"');
+            out.extend_from_slice(name.as_bytes());
+            out.push(b'"');
+        }
+    }
+}
+
+/// A byte JSON cannot hold as it is inside a string (besides the closing quote).
+fn needs_escape(c: u8) -> bool {
+    c == b'\\' || c < 0x20
+}
+
+/// Appends `s` as a JSON string, exactly as serde_json writes it: copied as it is unless it needs
+/// escaping (serde_json's byte-by-byte escaping of thousands of node names per answer cost more than
+/// the decision itself).
+fn write_json_str(out: &mut Vec<u8>, s: &str) {
+    if s.bytes().any(|c| needs_escape(c) || c == b'"') {
+        // Writing into a Vec cannot fail.
+        let _ = serde_json::to_writer(&mut *out, s);
+    } else {
+        out.push(b'"');
+        out.extend_from_slice(s.as_bytes());
+        out.push(b'"');
     }
 }
 
 impl<'de> Deserialize<'de> for NodeNames {
+    /// Reads from serde_json only (which hands over the array's text, checked); names without escapes
+    /// are split off that text, others go through serde_json's string parsing.
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let raw = Box::<RawValue>::deserialize(d)?;
+        if let Some(names) = NodeNames::split_plain(raw.get()) {
+            return Ok(names);
+        }
         struct Names;
         impl<'de> Visitor<'de> for Names {
             type Value = NodeNames;
@@ -198,6 +303,7 @@ impl<'de> Deserialize<'de> for NodeNames {
             }
             fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<NodeNames, A::Error> {
                 let mut out = NodeNames {
+                    needs_escaping: false,
                     buf: String::new(),
                     // The hint is the sender's word: trust it only so far.
                     ends: Vec::with_capacity(seq.size_hint().unwrap_or(0).min(4096)),
@@ -206,7 +312,9 @@ impl<'de> Deserialize<'de> for NodeNames {
                 Ok(out)
             }
         }
-        d.deserialize_seq(Names)
+        serde_json::Deserializer::from_str(raw.get())
+            .deserialize_seq(Names)
+            .map_err(serde::de::Error::custom)
     }
 }
 
@@ -255,20 +363,39 @@ case_insensitive!(NodeList {
 pub type FailedNodesMap = BTreeMap<String, String>;
 
 /// `ExtenderFilterResult`: the answer to `filter`.
-#[derive(Debug, Clone, Default, Serialize)]
+#[derive(Debug, Clone, Default)]
 pub struct ExtenderFilterResult {
-    #[serde(rename = "Nodes")]
     pub nodes: Option<NodeList>,
-    #[serde(rename = "NodeNames")]
     pub node_names: Option<NodeNames>,
-    #[serde(rename = "FailedNodes")]
     pub failed_nodes: FailedNodesMap,
     /// Nodes where preemption would not help either (they also appear in `FailedNodes`; this map
     /// takes precedence in kube-scheduler).
-    #[serde(rename = "FailedAndUnresolvableNodes")]
     pub failed_and_unresolvable_nodes: FailedNodesMap,
-    #[serde(rename = "Error")]
     pub error: String,
+}
+
+impl ExtenderFilterResult {
+    /// The JSON kube-scheduler reads (Go field names).
+    pub fn to_json(&self) -> Vec<u8> {
+        let names = self.node_names.as_ref().map_or(0, |n| n.buf.len() + 3 * n.len());
+        let mut out = Vec::with_capacity(names + 128);
+        // Writing into a Vec cannot fail.
+        out.extend_from_slice(br#"{"Nodes":"#);
+        let _ = serde_json::to_writer(&mut out, &self.nodes);
+        out.extend_from_slice(br#","NodeNames":"#);
+        match &self.node_names {
+            Some(names) => names.write_json(&mut out),
+            None => out.extend_from_slice(b"null"),
+        }
+        out.extend_from_slice(br#","FailedNodes":"#);
+        let _ = serde_json::to_writer(&mut out, &self.failed_nodes);
+        out.extend_from_slice(br#","FailedAndUnresolvableNodes":"#);
+        let _ = serde_json::to_writer(&mut out, &self.failed_and_unresolvable_nodes);
+        out.extend_from_slice(br#","Error":"#);
+        write_json_str(&mut out, &self.error);
+        out.push(b'}');
+        out
+    }
 }
 
 /// `HostPriority`: one node's score, `MIN_EXTENDER_PRIORITY..=MAX_EXTENDER_PRIORITY`.
@@ -315,17 +442,34 @@ impl HostPriorities {
     }
 }
 
-impl Serialize for HostPriorities {
-    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        /// [`HostPriority`], borrowing its name.
-        #[derive(Serialize)]
-        struct Entry<'a> {
-            #[serde(rename = "Host")]
-            host: &'a str,
-            #[serde(rename = "Score")]
-            score: i64,
+impl HostPriorities {
+    /// The JSON kube-scheduler reads: a [`HostPriorityList`].
+    pub fn to_json(&self) -> Vec<u8> {
+        use std::io::Write;
+        let mut out = Vec::with_capacity(self.names.buf.len() + 28 * self.len() + 2);
+        out.push(b'[');
+        for (k, (host, score)) in self.iter().enumerate() {
+            if k > 0 {
+                out.push(b',');
+            }
+            out.extend_from_slice(br#"{"Host":"#);
+            self.names.write_name(&mut out, host);
+            out.extend_from_slice(br#","Score":"#);
+            match u8::try_from(score) {
+                // Scores are 0..=10: two digits at most, without the formatting machinery.
+                Ok(d) if d < 100 => {
+                    if d >= 10 {
+                        out.push(b'0' + d / 10);
+                    }
+                    out.push(b'0' + d % 10);
+                }
+                // Writing into a Vec cannot fail.
+                _ => drop(write!(out, "{score}")),
+            }
+            out.push(b'}');
         }
-        s.collect_seq(self.iter().map(|(host, score)| Entry { host, score }))
+        out.push(b']');
+        out
     }
 }
 
@@ -440,7 +584,7 @@ mod tests {
             node_names: Some(NodeNames::from(vec!["a".to_string()])),
             ..Default::default()
         };
-        let v = serde_json::to_value(&r).expect("serializes");
+        let v: serde_json::Value = serde_json::from_slice(&r.to_json()).expect("valid JSON");
         for key in [
             "Nodes",
             "NodeNames",
@@ -459,6 +603,44 @@ mod tests {
         assert_eq!(v["NodeNames"], serde_json::json!(["a"]));
     }
 
+    fn json(names: &NodeNames) -> String {
+        let mut out = Vec::new();
+        names.write_json(&mut out);
+        String::from_utf8(out).expect("UTF-8")
+    }
+
+    #[test]
+    fn strings_are_written_as_serde_json_writes_them() {
+        for s in [
+            "node-1",
+            "",
+            "a\"b",
+            "back\\slash",
+            "tab\there",
+            "\u{1}\u{1f}\u{7f}",
+            "é/ü",
+        ] {
+            let mut out = Vec::new();
+            write_json_str(&mut out, s);
+            assert_eq!(
+                String::from_utf8(out).expect("UTF-8"),
+                serde_json::to_string(s).expect("serializes")
+            );
+        }
+        let r = ExtenderFilterResult {
+            node_names: Some(NodeNames::from_iter(["a", "b"])),
+            failed_nodes: [("c".to_string(), "needs \"5000\" MiB".to_string())].into(),
+            error: "x\ny".into(),
+            ..Default::default()
+        };
+        let v: serde_json::Value = serde_json::from_slice(&r.to_json()).expect("valid JSON");
+        assert_eq!(
+            v,
+            serde_json::json!({"Nodes": null, "NodeNames": ["a", "b"],
+                "FailedNodes": {"c": "needs \"5000\" MiB"}, "FailedAndUnresolvableNodes": {}, "Error": "x\ny"})
+        );
+    }
+
     #[test]
     fn node_names_round_trip() {
         // `\u00e9` and `\"` are escapes: serde_json hands those strings over through `visit_str`.
@@ -471,27 +653,28 @@ mod tests {
         assert_eq!(names.get(2), "c\"q");
         assert_eq!(names.iter().len(), 3);
         assert_eq!(names.iter().collect::<Vec<_>>(), ["a", "b\u{e9}", "c\"q"]);
+        let written = json(&names);
         assert_eq!(
-            serde_json::to_string(&names).expect("serializes"),
+            written,
             serde_json::to_string(&["a", "b\u{e9}", "c\"q"]).expect("serializes")
         );
         assert_eq!(
-            serde_json::from_str::<NodeNames>(&serde_json::to_string(&names).expect("serializes"))
-                .expect("parses"),
+            serde_json::from_str::<NodeNames>(&written).expect("parses"),
             names
         );
-        // From a reader serde_json cannot borrow at all: every string comes through `visit_str`.
+        // Without escapes the names are split off the text: the same names, spaces or not.
+        let plain: NodeNames = serde_json::from_str(" [ \"n-1\" ,\"n.2\",\n\"\u{e9}\"] ").expect("parses");
+        assert_eq!(plain.iter().collect::<Vec<_>>(), ["n-1", "n.2", "\u{e9}"]);
+        assert_eq!(json(&plain), "[\"n-1\",\"n.2\",\"\u{e9}\"]");
+        // From a reader too.
         let read: NodeNames = serde_json::from_reader(text.as_bytes()).expect("parses");
         assert_eq!(read, names);
-        let owned: NodeNames =
-            serde_json::from_value(serde_json::json!(["a", "b\u{e9}", "c\"q"])).expect("parses");
-        assert_eq!(owned, names);
         assert_eq!(format!("{names:?}"), r#"["a", "bé", "c\"q"]"#);
 
         let empty: NodeNames = serde_json::from_str("[]").expect("parses");
         assert!(empty.is_empty());
         assert_eq!(empty, NodeNames::default());
-        assert_eq!(serde_json::to_string(&empty).expect("serializes"), "[]");
+        assert_eq!(json(&empty), "[]");
         // Empty names are names too.
         let blank: NodeNames = serde_json::from_str(r#"["","x",""]"#).expect("parses");
         assert_eq!(blank.iter().collect::<Vec<_>>(), ["", "x", ""]);
@@ -516,8 +699,8 @@ mod tests {
 
     #[test]
     fn host_priorities_serialize_like_a_host_priority_list() {
-        let hosts = ["a", "b\u{e9}", "c\"q"];
-        let scores = vec![3, 0, 10];
+        let hosts = ["a", "b\u{e9}", "c\"q", "d", "e"];
+        let scores = vec![3, 0, 10, -1, 123];
         let old: HostPriorityList = hosts
             .iter()
             .zip(&scores)
@@ -527,13 +710,19 @@ mod tests {
             })
             .collect();
         let new = HostPriorities::new(NodeNames::from_iter(hosts), scores);
-        assert_eq!(new.len(), 3);
+        assert_eq!(new.len(), 5);
         assert_eq!(
-            serde_json::to_string(&new).expect("serializes"),
+            String::from_utf8(new.to_json()).expect("UTF-8"),
             serde_json::to_string(&old).expect("serializes")
         );
+        // Names needing no escaping are copied as they are.
+        let plain = HostPriorities::new(serde_json::from_str(r#"["x","y"]"#).expect("parses"), vec![7, 10]);
         assert_eq!(
-            serde_json::to_string(&HostPriorities::default()).expect("serializes"),
+            plain.to_json(),
+            br#"[{"Host":"x","Score":7},{"Host":"y","Score":10}]"#
+        );
+        assert_eq!(
+            String::from_utf8(HostPriorities::default().to_json()).expect("UTF-8"),
             serde_json::to_string(&HostPriorityList::new()).expect("serializes")
         );
     }

@@ -133,14 +133,14 @@ async fn handle(scorer: &Scorer, req: Request<Incoming>) -> Reply {
         }
         (&Method::POST, "filter") => match body(req, limit, "filter").await {
             Ok(args) => match scorer.filter(args) {
-                Ok(r) => json(&r),
+                Ok(r) => reply(StatusCode::OK, "application/json", r.to_json()),
                 Err(e) => bad(scorer, "filter", e),
             },
             Err(r) => refused(scorer, "filter", r),
         },
         (&Method::POST, "prioritize") => match body(req, limit, "prioritize").await {
             Ok(args) => match scorer.prioritize(args) {
-                Ok(r) => json(&r),
+                Ok(r) => reply(StatusCode::OK, "application/json", r.to_json()),
                 Err(e) => bad(scorer, "prioritize", e),
             },
             Err(r) => refused(scorer, "prioritize", r),
