@@ -8,7 +8,8 @@
 //! Each decision is shaped like kube-scheduler's: the node list comes in a different order every time
 //! (its filter runs in parallel and starts at a rotating offset), and in the `NodeNames` form one node's
 //! usage changes between decisions (the previous bind, as the node watch reports it). Pod sizes either
-//! repeat (three sizes in turn, as replicas of a few deployments do) or are new every decision.
+//! repeat (three sizes in turn, as replicas of a few deployments do) or are new every decision; pods
+//! asking for no GPU show what the protocol alone costs.
 
 mod scorer_support;
 
@@ -101,7 +102,9 @@ async fn bench_filter_prioritize() {
             if !only("GPUMEM_BENCH_FORM", form) || (listed < n && n < 5000) {
                 continue;
             }
-            for mix in ["repeat", "new"] {
+            // "none": pods asking for no GPU, answered without a decision: what the protocol itself
+            // costs (parsing, node lookups, answers, HTTP), the floor under the other lines.
+            for mix in ["repeat", "new", "none"] {
                 if !only("GPUMEM_BENCH_MIX", mix) {
                     continue;
                 }
@@ -110,6 +113,7 @@ async fn bench_filter_prioritize() {
                     .map(|r| {
                         let mib = match mix {
                             "repeat" => [30000, 10240, 4096][r % 3],
+                            "none" => 0,
                             _ => 1000 + 997 * r as u64,
                         };
                         let pod = pod_json(&format!("p{r}"), mib, 0, json!({}), json!({}));

@@ -557,82 +557,81 @@ pub fn prioritize(
 ) -> Vec<Option<Scored>> {
     let mut fits: Vec<(usize, Fit)> = Vec::new();
     let (mut used, mut total) = (0u64, 0u64);
-    let mut policy_score: Vec<Option<(f64, GpuMask)>>;
-    {
-        let mut view = cache.view.lock().unwrap_or_else(|e| e.into_inner());
-        view.calls += 1;
-        view.forget_gone();
-        // Each fit's position in the view; a node listed twice is scored once, for its first listing.
-        let mut at_of: Vec<u32> = Vec::with_capacity(nodes.len());
-        let mut repeated: Vec<(usize, usize)> = Vec::new();
-        for (i, n) in nodes.iter().enumerate() {
-            if n.problem.is_none() {
-                let s = n.summary();
-                (used, total) = (used + s.allocated_mib, total + s.total_mib);
-            }
-            if let Ok(fit) = check(n, pod) {
-                let at = view.place(n, &fit, pod);
-                let k = fits.len();
-                match view.first_fit(at) {
-                    Some(first) => repeated.push((k, first)),
-                    None => {
-                        let len = view.cluster.nodes.len();
-                        view.first.resize(len, NOT_LISTED);
-                        view.first[at as usize] = k as u32;
-                    }
-                }
-                at_of.push(at);
-                fits.push((i, fit));
-            }
+    // The view stays locked until the end: the ranking reads GPU figures from it (compact, and just
+    // read by the policy), not from the node states.
+    let mut view = cache.view.lock().unwrap_or_else(|e| e.into_inner());
+    view.calls += 1;
+    view.forget_gone();
+    // Each fit's position in the view; a node listed twice is scored once, for its first listing.
+    let mut at_of: Vec<u32> = Vec::with_capacity(nodes.len());
+    let mut repeated: Vec<(usize, usize)> = Vec::new();
+    for (i, n) in nodes.iter().enumerate() {
+        if n.problem.is_none() {
+            let s = n.summary();
+            (used, total) = (used + s.allocated_mib, total + s.total_mib);
         }
-        policy_score = vec![None; fits.len()];
-        let mix = typical_mix(cfg);
-        // Nodes with different memory units turn one request into different MiB: one policy run per amount.
-        let mut needs: Vec<u64> = fits.iter().map(|(_, f)| f.need_mib).collect();
-        needs.sort_unstable();
-        needs.dedup();
-        let mut rng = rand_pcg::Pcg64Mcg::seed_from_u64(1);
-        let mut out = Vec::new();
-        for need in needs {
-            // Ascending positions, as `score_nodes` takes them: a scan of the view, cheaper than a sort.
-            let members: Vec<u32> = (0..view.first.len() as u32)
-                .filter(|&at| view.first_fit(at).is_some_and(|k| fits[k].1.need_mib == need))
-                .collect();
-            let gpu = match pod.demand {
-                Demand::Memory { .. } => GpuDemand::Shared {
-                    amount: u32::try_from(need).unwrap_or(u32::MAX),
-                },
-                Demand::Whole { count } => GpuDemand::Whole { count },
-            };
-            let req = Request {
-                cpu_milli: pod.cpu_milli,
-                memory_mib: pod.memory_mib,
-                gpu,
-                models: None,
-            };
-            let Some(at) = view.policy(need, cfg, &mix) else {
-                continue;
-            };
-            let View {
-                cluster, policies, ..
-            } = &mut *view;
-            policies[at]
-                .policy
-                .score_nodes(cluster, &members, &req, &mut rng, &mut out);
-            for c in &out {
-                if let Some(k) = view.first_fit(c.node) {
-                    policy_score[k] = Some((c.score, c.gpus));
+        if let Ok(fit) = check(n, pod) {
+            let at = view.place(n, &fit, pod);
+            let k = fits.len();
+            match view.first_fit(at) {
+                Some(first) => repeated.push((k, first)),
+                None => {
+                    let len = view.cluster.nodes.len();
+                    view.first.resize(len, NOT_LISTED);
+                    view.first[at as usize] = k as u32;
                 }
             }
+            at_of.push(at);
+            fits.push((i, fit));
         }
-        for &(k, first) in &repeated {
-            if fits[k].1.need_mib == fits[first].1.need_mib {
-                policy_score[k] = policy_score[first];
+    }
+    let mut policy_score: Vec<Option<(f64, GpuMask)>> = vec![None; fits.len()];
+    let mix = typical_mix(cfg);
+    // Nodes with different memory units turn one request into different MiB: one policy run per amount.
+    let mut needs: Vec<u64> = fits.iter().map(|(_, f)| f.need_mib).collect();
+    needs.sort_unstable();
+    needs.dedup();
+    let mut rng = rand_pcg::Pcg64Mcg::seed_from_u64(1);
+    let mut out = Vec::new();
+    for need in needs {
+        // Ascending positions, as `score_nodes` takes them: a scan of the view, cheaper than a sort.
+        let members: Vec<u32> = (0..view.first.len() as u32)
+            .filter(|&at| view.first_fit(at).is_some_and(|k| fits[k].1.need_mib == need))
+            .collect();
+        let gpu = match pod.demand {
+            Demand::Memory { .. } => GpuDemand::Shared {
+                amount: u32::try_from(need).unwrap_or(u32::MAX),
+            },
+            Demand::Whole { count } => GpuDemand::Whole { count },
+        };
+        let req = Request {
+            cpu_milli: pod.cpu_milli,
+            memory_mib: pod.memory_mib,
+            gpu,
+            models: None,
+        };
+        let Some(at) = view.policy(need, cfg, &mix) else {
+            continue;
+        };
+        let View {
+            cluster, policies, ..
+        } = &mut *view;
+        policies[at]
+            .policy
+            .score_nodes(cluster, &members, &req, &mut rng, &mut out);
+        for c in &out {
+            if let Some(k) = view.first_fit(c.node) {
+                policy_score[k] = Some((c.score, c.gpus));
             }
         }
-        for &at in &at_of {
-            view.first[at as usize] = NOT_LISTED;
+    }
+    for &(k, first) in &repeated {
+        if fits[k].1.need_mib == fits[first].1.need_mib {
+            policy_score[k] = policy_score[first];
         }
+    }
+    for &at in &at_of {
+        view.first[at as usize] = NOT_LISTED;
     }
     let load = if total == 0 {
         0.0
@@ -657,9 +656,13 @@ pub fn prioritize(
     }
     .clamp(0.0, 1.0);
     let mut ranked: Vec<Option<Scored>> = vec![None; nodes.len()];
-    for ((i, fit), policy) in fits.iter().zip(policy_score) {
+    for (((i, fit), policy), at) in fits.iter().zip(policy_score).zip(at_of) {
         ranked[*i] = Some({
             let n = &nodes[*i];
+            // The node as the view holds it: the GPUs the pod may use have their free memory.
+            let view_gpus = &view.cluster.nodes[at as usize].gpus;
+            let free = |p: usize| u64::from(view_gpus[p].free);
+            let memory = |p: usize| u64::from(view_gpus[p].capacity);
             let (policy_term, policy_gpus) = match policy {
                 Some((s, gpus)) if hi > lo => ((s - lo) / (hi - lo), gpus),
                 Some((_, gpus)) => (1.0, gpus),
@@ -671,26 +674,23 @@ pub fn prioritize(
                 (None, Demand::Memory { .. }) => fit
                     .eligible
                     .iter()
-                    .filter(|&p| n.gpus()[p].free_mib() >= fit.need_mib)
-                    .min_by_key(|&p| (n.gpus()[p].free_mib(), p))
+                    .filter(|&p| free(p) >= fit.need_mib)
+                    .min_by_key(|&p| (free(p), p))
                     .map_or(GpuMask::EMPTY, GpuMask::single),
-                (None, Demand::Whole { count }) => fit
-                    .eligible
+                (None, Demand::Whole { count }) => GpuMask(fit.eligible.0 & n.summary().idle.0)
                     .iter()
-                    .filter(|&p| n.gpus()[p].is_idle())
                     .take(count as usize)
                     .fold(GpuMask::EMPTY, GpuMask::with),
             };
             // How much room the placement leaves: on the GPU used (memory), on the node (whole GPUs).
             let room = match pod.demand {
                 Demand::Memory { .. } => gpus.iter().next().map_or(0.0, |p| {
-                    let g = &n.gpus()[p];
-                    g.free_mib().saturating_sub(fit.need_mib) as f64 / g.memory_mib.max(1) as f64
+                    free(p).saturating_sub(fit.need_mib) as f64 / memory(p).max(1) as f64
                 }),
                 Demand::Whole { .. } => {
-                    let total: u64 = fit.eligible.iter().map(|p| n.gpus()[p].memory_mib).sum();
-                    let taken: u64 = gpus.iter().map(|p| n.gpus()[p].memory_mib).sum();
-                    let free: u64 = fit.eligible.iter().map(|p| n.gpus()[p].free_mib()).sum();
+                    let total: u64 = fit.eligible.iter().map(memory).sum();
+                    let taken: u64 = gpus.iter().map(memory).sum();
+                    let free: u64 = fit.eligible.iter().map(free).sum();
                     free.saturating_sub(taken) as f64 / total.max(1) as f64
                 }
             };
