@@ -13,6 +13,8 @@
 
 mod scorer_support;
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
 use gpumem::scorer::cache::NodeCache;
@@ -50,6 +52,9 @@ fn node(i: usize, rng: &mut Rng, version: u64) -> Value {
     v["metadata"]["resourceVersion"] = json!(version.to_string());
     v
 }
+
+/// Node versions for the watch updates: each one new, so the cache parses the node again.
+static VERSION: AtomicU64 = AtomicU64::new(2);
 
 fn percentile(sorted: &[f64], p: f64) -> f64 {
     sorted[((sorted.len() as f64 - 1.0) * p).round() as usize]
@@ -137,31 +142,64 @@ async fn bench_filter_prioritize() {
                     assert_eq!(conn.request("POST", "/filter", body.as_bytes()).await.0, 200);
                     assert_eq!(conn.request("POST", "/prioritize", body.as_bytes()).await.0, 200);
                 }
-                let mut times = Vec::with_capacity(rounds);
-                let all = Instant::now();
-                for r in 0..rounds {
-                    if form == "NodeNames" {
-                        // The previous decision's bind, as the node watch reports it.
-                        let i = (rng.next() % n as u64) as usize;
-                        let changed = serde_json::from_value(node(i, &mut rng, 2 + r as u64)).expect("node");
-                        cache.apply(&watcher::Event::Apply(changed));
+                drop(conn);
+                let bodies = Arc::new(bodies);
+                // One connection, as one kube-scheduler calls; for repeating sizes in the NodeNames form
+                // also two at once (scheduler profiles or replicas sharing one scorer).
+                let parallel: &[usize] = if form == "NodeNames" && mix == "repeat" {
+                    &[1, 2]
+                } else {
+                    &[1]
+                };
+                for &conns in parallel {
+                    let all = Instant::now();
+                    let tasks: Vec<_> = (0..conns)
+                        .map(|_| {
+                            let (bodies, cache, seed) = (bodies.clone(), cache.clone(), rng.next());
+                            let watch = form == "NodeNames";
+                            tokio::spawn(async move {
+                                let mut rng = Rng(seed | 1);
+                                let mut conn = Conn::open(addr).await;
+                                let mut times = Vec::with_capacity(rounds);
+                                for r in 0..rounds / conns {
+                                    if watch {
+                                        // The previous decision's bind, as the node watch reports it.
+                                        let i = (rng.next() % n as u64) as usize;
+                                        let version = VERSION.fetch_add(1, Ordering::Relaxed);
+                                        let changed =
+                                            serde_json::from_value(node(i, &mut rng, version)).expect("node");
+                                        cache.apply(&watcher::Event::Apply(changed));
+                                    }
+                                    let body = bodies[r % bodies.len()].as_bytes();
+                                    let t = Instant::now();
+                                    let (s1, _) = conn.request("POST", "/filter", body).await;
+                                    let (s2, _) = conn.request("POST", "/prioritize", body).await;
+                                    assert_eq!((s1, s2), (200, 200));
+                                    times.push(t.elapsed().as_secs_f64() * 1000.0);
+                                }
+                                times
+                            })
+                        })
+                        .collect();
+                    let mut times = Vec::with_capacity(rounds);
+                    for task in tasks {
+                        times.extend(task.await.expect("bench connection"));
                     }
-                    let body = bodies[r % bodies.len()].as_bytes();
-                    let t = Instant::now();
-                    let (s1, _) = conn.request("POST", "/filter", body).await;
-                    let (s2, _) = conn.request("POST", "/prioritize", body).await;
-                    assert_eq!((s1, s2), (200, 200));
-                    times.push(t.elapsed().as_secs_f64() * 1000.0);
+                    let per_sec = times.len() as f64 / all.elapsed().as_secs_f64();
+                    times.sort_by(f64::total_cmp);
+                    let label = if conns == 1 {
+                        mix.to_string()
+                    } else {
+                        format!("{mix} x{conns}")
+                    };
+                    println!(
+                        "{form:<10} {n:>5} {listed:>6} {label:<9} {:>8} {:>8.2} {:>8.2} {:>13.0}",
+                        bodies[0].len() / 1024,
+                        percentile(&times, 0.5),
+                        percentile(&times, 0.99),
+                        per_sec
+                    );
                 }
-                let per_sec = rounds as f64 / all.elapsed().as_secs_f64();
-                times.sort_by(f64::total_cmp);
-                println!(
-                    "{form:<10} {n:>5} {listed:>6} {mix:<9} {:>8} {:>8.2} {:>8.2} {:>13.0}",
-                    bodies[0].len() / 1024,
-                    percentile(&times, 0.5),
-                    percentile(&times, 0.99),
-                    per_sec
-                );
             }
         }
     }
