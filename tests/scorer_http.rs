@@ -301,3 +301,50 @@ async fn metrics_count_decisions_and_rejections() {
         "{text}"
     );
 }
+
+/// kube-scheduler sends `prioritize` the names `filter` kept, right after: the scorer ranks the very states
+/// `filter` checked (a node changing in between does not make the two verbs disagree), for each pod on its
+/// own, and looks names up again for anything else.
+#[tokio::test]
+async fn prioritize_ranks_the_states_filter_checked() {
+    let node = |name: &str, allocated: u64| -> Node {
+        let mut v = node_json(name, &[g(16384, allocated)]);
+        v["metadata"]["resourceVersion"] = json!(allocated.to_string());
+        serde_json::from_value(v).expect("node")
+    };
+    let cache = NodeCache::from_nodes([node("a", 0), node("b", 8192), node("c", 15000)]);
+    let (addr, _) = start(Scorer::new(Config::default(), None, Some(cache.clone()), None)).await;
+    let args = |pod: &str, names: &[&str]| json!({"Pod": pod_json(pod, 4096, 0, json!({}), json!({})), "Nodes": null, "NodeNames": names});
+    let ranked = |r: &Value| -> Vec<(String, i64)> {
+        let list = r.as_array().expect("HostPriorityList");
+        list.iter()
+            .map(|h| {
+                (
+                    h["Host"].as_str().expect("Host").to_string(),
+                    h["Score"].as_i64().expect("Score"),
+                )
+            })
+            .collect()
+    };
+    let (status, r) = post_json(addr, "/filter", &args("p1", &["a", "b", "c"])).await;
+    assert_eq!(status, 200, "{r}");
+    assert_eq!(r["NodeNames"], json!(["a", "b"]));
+    let (_, before) = post_json(addr, "/prioritize", &args("p0", &["a", "b"])).await;
+    let before = ranked(&before);
+    assert!(before.iter().all(|(_, s)| *s > 0), "{before:?}");
+
+    // "b" fills up between p1's filter and prioritize: p1 is still ranked on what its filter saw...
+    cache.apply(&kube::runtime::watcher::Event::Apply(node("b", 16384)));
+    let (_, during) = post_json(addr, "/prioritize", &args("p1", &["a", "b"])).await;
+    assert_eq!(ranked(&during), before);
+    // ...once: the next call, and any other pod, sees the node as it is now.
+    for pod in ["p1", "p2"] {
+        let (_, after) = post_json(addr, "/prioritize", &args(pod, &["a", "b"])).await;
+        assert_eq!(ranked(&after)[1], ("b".to_string(), 0), "{pod}");
+    }
+    // Other names than filter kept: looked up.
+    let (status, r) = post_json(addr, "/filter", &args("p3", &["a", "b", "c"])).await;
+    assert_eq!((status, &r["NodeNames"]), (200, &json!(["a"])));
+    let (_, other) = post_json(addr, "/prioritize", &args("p3", &["a", "c"])).await;
+    assert_eq!(ranked(&other)[1], ("c".to_string(), 0));
+}

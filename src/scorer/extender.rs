@@ -75,7 +75,7 @@ case_insensitive!(ExtenderArgs {
 ///
 /// kube-scheduler sends every candidate's name on each `filter` and `prioritize` (thousands of them):
 /// one `String` each made parsing the request a large share of a decision's cost.
-#[derive(Clone, Default, PartialEq, Eq)]
+#[derive(Clone, Default)]
 pub struct NodeNames {
     /// The names, back to back.
     buf: String,
@@ -184,6 +184,15 @@ impl From<Vec<String>> for NodeNames {
         names.iter().map(String::as_str).collect()
     }
 }
+
+/// The same names in the same order (however they were written on the wire).
+impl PartialEq for NodeNames {
+    fn eq(&self, other: &NodeNames) -> bool {
+        self.ends == other.ends && self.buf == other.buf
+    }
+}
+
+impl Eq for NodeNames {}
 
 impl fmt::Debug for NodeNames {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

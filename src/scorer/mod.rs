@@ -51,7 +51,7 @@ use self::cache::{NodeCache, PodCache, RawNodeCache};
 use self::decide::Rejection;
 use self::extender::{
     ExtenderArgs, ExtenderBindingArgs, ExtenderBindingResult, ExtenderFilterResult, ExtenderPreemptionArgs,
-    ExtenderPreemptionResult, HostPriorities, MetaPod, MetaVictims, NodeList,
+    ExtenderPreemptionResult, HostPriorities, MetaPod, MetaVictims, NodeList, NodeNames,
 };
 use self::ledger::{Ledger, Reservation};
 use self::metrics::{Metrics, ReasonLabel, VerbLabel};
@@ -220,7 +220,24 @@ pub struct Scorer {
     last_nodes: Mutex<Vec<Arc<NodeState>>>,
     /// When the cluster gauges were last computed.
     gauges_at: Mutex<Option<Instant>>,
+    /// What the last few `filter` calls kept (see [`Kept`]).
+    kept: Mutex<Vec<Kept>>,
 }
+
+/// The nodes a `filter` call kept, in the `NodeNames` form. kube-scheduler sends `prioritize` exactly the
+/// names `filter` answered, in that order, right after: `prioritize` takes these states instead of
+/// looking every name up again (a cache miss or two per node). They are the states `filter` checked, so
+/// both verbs see the same cluster; a few callers at once each find their own.
+struct Kept {
+    pod_uid: String,
+    names: NodeNames,
+    states: Vec<Arc<NodeState>>,
+    at: Instant,
+}
+
+/// At most this many [`Kept`] are held, each for at most [`KEPT_FOR`].
+const KEPT_CALLS: usize = 4;
+const KEPT_FOR: Duration = Duration::from_secs(1);
 
 impl Scorer {
     pub fn new(
@@ -245,6 +262,7 @@ impl Scorer {
             policy_cache: decide::PolicyCache::default(),
             last_nodes: Mutex::new(Vec::new()),
             gauges_at: Mutex::new(None),
+            kept: Mutex::new(Vec::new()),
         }
     }
 
@@ -378,21 +396,50 @@ impl Scorer {
             // The request's own names, in its order (the states are in the same order): handed back
             // as they came when every node passes, else the kept ones copied into one buffer.
             let names = args.node_names.take().unwrap_or_default();
-            result.node_names = Some(if keep.iter().all(|k| *k) {
+            let names = if keep.iter().all(|k| *k) {
                 names
             } else {
                 names.keep(&keep)
-            });
+            };
+            if let Some(pod_uid) = pod_uid(args.pod.as_ref()) {
+                let states = states.into_iter().zip(&keep).filter(|(_, k)| **k).map(|(s, _)| s);
+                let kept = Kept {
+                    pod_uid,
+                    names: names.clone(),
+                    states: states.collect(),
+                    at: Instant::now(),
+                };
+                let mut all = self.kept.lock().unwrap_or_else(|e| e.into_inner());
+                all.retain(|k| k.pod_uid != kept.pod_uid && k.at.elapsed() < KEPT_FOR);
+                if all.len() >= KEPT_CALLS {
+                    all.remove(0);
+                }
+                all.push(kept);
+            }
+            result.node_names = Some(names);
         }
         self.observe("filter", start);
         Ok(result)
+    }
+
+    /// The states the last `filter` of this pod kept, if `args` lists exactly those names (see [`Kept`]).
+    fn kept_by_filter(&self, args: &ExtenderArgs) -> Option<Vec<Arc<NodeState>>> {
+        let names = args.node_names.as_ref().filter(|_| args.nodes.is_none())?;
+        let pod_uid = pod_uid(args.pod.as_ref())?;
+        let mut all = self.kept.lock().unwrap_or_else(|e| e.into_inner());
+        let at = all.iter().position(|k| k.pod_uid == pod_uid)?;
+        let kept = all.remove(at);
+        (kept.names == *names && kept.at.elapsed() < KEPT_FOR).then_some(kept.states)
     }
 
     /// `prioritize`: every candidate node gets a score; nodes that cannot host the pod get 0.
     pub fn prioritize(&self, mut args: ExtenderArgs) -> Result<HostPriorities, BadRequest> {
         let start = Instant::now();
         let demand = self.demand(args.pod.as_ref())?;
-        let states = self.candidates(&args)?;
+        let states = match self.kept_by_filter(&args) {
+            Some(states) => states,
+            None => self.candidates(&args)?,
+        };
         let mut scores: Vec<i64> = vec![extender::MIN_EXTENDER_PRIORITY; states.len()];
         if let Ok(Some(d)) = demand {
             let ranked = decide::prioritize(&states, &d, &self.config, &self.policy_cache);
@@ -720,6 +767,11 @@ impl Scorer {
 }
 
 /// `gpumem scorer`.
+/// The pod's UID, if it has one.
+fn pod_uid(pod: Option<&Pod>) -> Option<String> {
+    pod?.metadata.uid.clone().filter(|u| !u.is_empty())
+}
+
 pub fn run(args: &ScorerArgs) -> anyhow::Result<()> {
     let config = match &args.config {
         Some(path) => Config::load(path)?,
