@@ -771,17 +771,9 @@ mod tests {
 
     fn gpu(i: usize, memory: u64, free: u64) -> GpuState {
         GpuState {
-            index: i as u32,
-            uuid: format!("GPU-{i}"),
-            model: "NVIDIA A100-SXM4-80GB".into(),
-            memory_mib: memory,
-            allocated_mib: memory - free,
-            whole: false,
-            healthy: true,
             numa_node: Some((i / 4) as u32),
             pcie_switch: Some((i / 2) as u32),
-            nvlink: Vec::new(),
-            pods: Vec::new(),
+            ..GpuState::for_tests(i, "NVIDIA A100-SXM4-80GB", memory, memory - free)
         }
     }
 

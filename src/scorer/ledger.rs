@@ -157,19 +157,7 @@ mod tests {
         let gpus = free
             .iter()
             .enumerate()
-            .map(|(i, &f)| GpuState {
-                index: i as u32,
-                uuid: format!("GPU-{i}"),
-                model: "m".into(),
-                memory_mib: 8000,
-                allocated_mib: 8000 - f,
-                whole: false,
-                healthy: true,
-                numa_node: None,
-                pcie_switch: None,
-                nvlink: Vec::new(),
-                pods: Vec::new(),
-            })
+            .map(|(i, &f)| GpuState::for_tests(i, "m", 8000, 8000 - f))
             .collect();
         NodeState::with_gpus("n", 1, gpus)
     }

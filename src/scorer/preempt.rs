@@ -231,19 +231,7 @@ mod tests {
         let gpus = allocated
             .iter()
             .enumerate()
-            .map(|(i, &a)| GpuState {
-                index: i as u32,
-                uuid: format!("GPU-{i}"),
-                model: "m".into(),
-                memory_mib: 8192,
-                allocated_mib: a,
-                whole: false,
-                healthy: true,
-                numa_node: None,
-                pcie_switch: None,
-                nvlink: Vec::new(),
-                pods: Vec::new(),
-            })
+            .map(|(i, &a)| GpuState::for_tests(i, "m", 8192, a))
             .collect();
         NodeState::with_gpus("n", 1, gpus)
     }

@@ -50,6 +50,24 @@ pub struct GpuState {
 }
 
 impl GpuState {
+    /// A healthy GPU `GPU-<index>` with `allocated_mib` of `memory_mib` in use, outside any topology.
+    #[cfg(test)]
+    pub(crate) fn for_tests(index: usize, model: &str, memory_mib: u64, allocated_mib: u64) -> GpuState {
+        GpuState {
+            index: index as u32,
+            uuid: format!("GPU-{index}"),
+            model: model.into(),
+            memory_mib,
+            allocated_mib,
+            whole: false,
+            healthy: true,
+            numa_node: None,
+            pcie_switch: None,
+            nvlink: Vec::new(),
+            pods: Vec::new(),
+        }
+    }
+
     pub fn free_mib(&self) -> u64 {
         if self.whole {
             0
