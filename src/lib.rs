@@ -6,7 +6,9 @@
 //! - [`node`]: the labels and annotations the agent publishes on its Node;
 //! - [`inspect`]: `gpumem inspect`, a human view of all of the above;
 //! - [`alloc`]: the placement policy (which node, which GPUs), pure, shared by scorer, agent and simulator;
-//! - [`sim`]: `gpumem simulate`, replaying cluster traces through [`alloc`].
+//! - [`sim`]: `gpumem simulate`, replaying cluster traces through [`alloc`];
+//! - [`quantity`]: Kubernetes resource quantities (`5k`, `1.5Gi`, `500m`), read exactly as the API
+//!   server reads them, for the agent and the scorer.
 
 pub mod agent;
 pub mod alloc;
@@ -14,5 +16,6 @@ pub mod gpu;
 pub mod inspect;
 pub mod node;
 pub mod plugin;
+pub mod quantity;
 pub mod scorer;
 pub mod sim;

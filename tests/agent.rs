@@ -639,6 +639,51 @@ async fn the_scorers_gpu_choice_is_honoured_while_it_fits() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_scorers_gpu_choice_is_honoured_in_the_form_the_api_server_returns_the_request() {
+    let node = Node::new().await;
+    let api = FakeApiServer::start(node.dir.path()).await;
+    let _agent = node.agent_with_api("t4x4", &api, &["--mem-unit-mib", "1"]);
+    node.kubelet.wait_registered(MEM, WAIT).await;
+    let gpus = node.kubelet.wait_devices(GPU, WAIT, |d| d.len() == 4).await;
+    api.set_pods(vec![
+        pod_with_choice("five-k", "node-a", MEM, 5000, &gpus[2].id, "2026-11-29T10:00:00Z"),
+        pod_with_choice(
+            "twelve-k",
+            "node-a",
+            MEM,
+            12000,
+            &gpus[1].id,
+            "2026-11-29T10:00:00Z",
+        ),
+        pod_with_choice("plain", "node-a", MEM, 5001, &gpus[3].id, "2026-11-29T10:00:00Z"),
+    ]);
+    // Written as "5000", the API server returns "5k" (and the request defaulted to the limit).
+    let asked: Vec<(String, String)> = api
+        .pods()
+        .iter()
+        .map(|p| {
+            let r = &p["spec"]["containers"][0]["resources"];
+            (r["limits"][MEM].to_string(), r["requests"][MEM].to_string())
+        })
+        .collect();
+    let quoted = |q: &str| (format!("{q:?}"), format!("{q:?}"));
+    assert_eq!(asked, [quoted("5k"), quoted("12k"), quoted("5001")]);
+    // Without the choice every GPU fits alike and best fit takes GPU 0.
+    let all: Vec<String> = (0..4).flat_map(|g| units(g, 0..15360)).collect();
+    for (size, gpu) in [(5000, "2"), (12000, "1"), (5001, "3")] {
+        let chosen = node.kubelet.preferred(MEM, &refs(&all), &[], size).await.unwrap();
+        // (GPUs, units): the list itself is too long to read in a failure.
+        let gpus: std::collections::BTreeSet<&str> =
+            chosen.iter().filter_map(|id| id.split('-').next()).collect();
+        assert_eq!(
+            (gpus, chosen.len()),
+            ([gpu].into(), size as usize),
+            "{size} units"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_unit_too_small_for_the_kubelet_is_reported_on_the_node() {
     let node = Node::new().await;
     let api = FakeApiServer::start(node.dir.path()).await;

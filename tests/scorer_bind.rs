@@ -16,18 +16,8 @@ use scorer_support::*;
 
 async fn setup(nodes: &[Value], pods: &[Value]) -> (std::net::SocketAddr, Arc<Scorer>, Arc<FakeApi>) {
     let api = Arc::new(FakeApi::default());
-    for n in nodes {
-        let name = n["metadata"]["name"].as_str().expect("name").to_string();
-        api.nodes.lock().expect("lock").insert(name, n.clone());
-    }
-    for p in pods {
-        let key = format!(
-            "{}/{}",
-            p["metadata"]["namespace"].as_str().expect("ns"),
-            p["metadata"]["name"].as_str().expect("name")
-        );
-        api.pods.lock().expect("lock").insert(key, p.clone());
-    }
+    nodes.iter().for_each(|n| api.add_node(n));
+    pods.iter().for_each(|p| api.add_pod(p));
     let client = fake_api(api.clone()).await;
     let (addr, scorer) = start(Scorer::new(Config::default(), Some(client), None, None)).await;
     (addr, scorer, api)
@@ -303,11 +293,8 @@ async fn binds_of_other_replicas_count_until_the_annotation_shows_them() {
         // GPU 0 has 6000 MiB free, GPU 1 2000: another replica just put a 5000 MiB pod on GPU 0.
         let node = node_json("n", &[g(16384, 10384), g(16384, 14384)]);
         let api = Arc::new(FakeApi::default());
-        api.nodes.lock().expect("lock").insert("n".into(), node.clone());
-        api.pods
-            .lock()
-            .expect("lock")
-            .insert("team-a/p1".into(), pod_json("p1", 5000, 0, json!({}), json!({})));
+        api.add_node(&node);
+        api.add_pod(&pod_json("p1", 5000, 0, json!({}), json!({})));
         let client = fake_api(api.clone()).await;
         let pods = PodCache::from_pods([bound_by_another_replica(age)]);
         let (addr, _) = start(Scorer::new(Config::default(), Some(client), None, Some(pods))).await;
@@ -322,4 +309,44 @@ async fn binds_of_other_replicas_count_until_the_annotation_shows_them() {
             assert_eq!(error, "", "a choice older than the ledger's TTL no longer counts");
         }
     }
+}
+
+/// A pending pod whose gpu-mem limit (and so request) is written `quantity`.
+fn asking(name: &str, quantity: &str) -> Value {
+    let mut pod = pod_json(name, 1, 0, json!({}), json!({}));
+    let resources = &mut pod["spec"]["containers"][0]["resources"];
+    resources["limits"]["nvidia.com/gpu-mem"] = json!(quantity);
+    resources["requests"]["nvidia.com/gpu-mem"] = json!(quantity);
+    pod
+}
+
+#[tokio::test]
+async fn bind_reads_requests_in_every_form_the_api_server_returns() {
+    // GPUs 0 and 2 have 5000 MiB free, GPU 1 1024: the two 5000 MiB pods take 0 and 2, 1Ki takes 1.
+    let node = node_json("n", &[g(16384, 11384), g(16384, 15360), g(16384, 11384)]);
+    let pods = [asking("e", "5e3"), asking("k", "5000"), asking("ki", "1Ki")];
+    let (addr, _, api) = setup(&[node], &pods).await;
+    for (pod, stored) in [("e", "5e3"), ("k", "5k"), ("ki", "1Ki")] {
+        let pod = api.pod(&format!("team-a/{pod}")).expect("stored");
+        assert_eq!(
+            pod["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu-mem"],
+            stored
+        );
+    }
+    let mut chosen = Vec::new();
+    for pod in ["e", "k", "ki"] {
+        let (_, r) = post_json(addr, "/bind", &bind_args(pod, "n")).await;
+        assert_eq!(r["Error"], "", "{pod}");
+        let patch = api
+            .seen()
+            .into_iter()
+            .rfind(|s| s.method == "PATCH")
+            .expect("patched");
+        chosen.push(patch.body["metadata"]["annotations"]["gpumem.io/assigned-gpus"].clone());
+    }
+    chosen[..2].sort_by_key(|u| u.to_string());
+    assert_eq!(
+        chosen,
+        [json!(uuid("n", 0)), json!(uuid("n", 2)), json!(uuid("n", 1))]
+    );
 }

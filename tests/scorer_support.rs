@@ -2,6 +2,10 @@
 //! server), node and pod builders in the shape kube-scheduler sends, and a fake Kubernetes API server.
 #![allow(dead_code)]
 
+/// What the fake API servers copy of a real one (shared with the agent's, tests/support/apiserver.rs).
+#[path = "support/k8s.rs"]
+pub mod k8s;
+
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
@@ -15,6 +19,8 @@ use hyper_util::rt::TokioIo;
 use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
+
+use self::k8s::{stored_node, stored_pod};
 
 pub fn fixture(name: &str) -> String {
     let path = format!("{}/tests/fixtures/scorer/{name}", env!("CARGO_MANIFEST_DIR"));
@@ -177,7 +183,8 @@ pub fn uuid(node: &str, i: usize) -> String {
     format!("GPU-{node}-{i}")
 }
 
-/// A Node as kube-scheduler sends it (labels, the agent's annotations, allocatable, status noise).
+/// A Node as kube-scheduler sends it (labels, the agent's annotations, allocatable, status noise), as
+/// the API server stored it.
 pub fn node_json(name: &str, gpus: &[G]) -> Value {
     let topology = json!({"version": 1, "memUnitMiB": 1, "gpus": gpus.iter().enumerate().map(|(i, g)| json!({
         "index": i, "uuid": uuid(name, i), "model": g.model, "memoryMiB": g.memory, "numaNode": g.numa,
@@ -187,7 +194,7 @@ pub fn node_json(name: &str, gpus: &[G]) -> Value {
         "index": i, "allocatedMiB": if g.whole { g.memory } else { g.allocated },
         "mode": if g.whole { "whole" } else if g.allocated == 0 { "free" } else { "shared" },
         "pods": g.pods})).collect::<Vec<_>>()});
-    json!({
+    stored_node(&json!({
         "metadata": {"name": name, "uid": format!("uid-{name}"), "resourceVersion": "1",
             "labels": {"kubernetes.io/hostname": name, "gpumem.io/mem-unit-mib": "1"},
             "annotations": {"gpumem.io/gpu-topology": topology.to_string(), "gpumem.io/gpu-usage": usage.to_string()}},
@@ -195,10 +202,11 @@ pub fn node_json(name: &str, gpus: &[G]) -> Value {
         "status": {"allocatable": {"cpu": "64", "memory": "512Gi", "pods": "110"},
             "capacity": {"cpu": "64", "memory": "512Gi", "pods": "110"},
             "conditions": [{"type": "Ready", "status": "True"}]}
-    })
+    }))
 }
 
-/// A pending pod asking for `gpu_mem` MiB (or `whole` GPUs).
+/// A pending pod asking for `gpu_mem` MiB (or `whole` GPUs), as the API server stored it (`5000`
+/// is `5k`).
 pub fn pod_json(name: &str, gpu_mem: u64, whole: u64, annotations: Value, labels: Value) -> Value {
     let mut limits = serde_json::Map::new();
     if gpu_mem > 0 {
@@ -207,14 +215,14 @@ pub fn pod_json(name: &str, gpu_mem: u64, whole: u64, annotations: Value, labels
     if whole > 0 {
         limits.insert("nvidia.com/gpu".into(), json!(whole.to_string()));
     }
-    json!({
+    stored_pod(&json!({
         "apiVersion": "v1", "kind": "Pod",
         "metadata": {"name": name, "namespace": "team-a", "uid": format!("uid-{name}"),
             "annotations": annotations, "labels": labels},
         "spec": {"containers": [{"name": "c", "image": "x", "resources": {"limits": limits,
             "requests": {"cpu": "1", "memory": "1Gi"}}}], "schedulerName": "default-scheduler", "priority": 0},
         "status": {"phase": "Pending"}
-    })
+    }))
 }
 
 /// `ExtenderArgs` in the Nodes form.
@@ -231,11 +239,12 @@ pub struct Seen {
 }
 
 /// A fake Kubernetes API server: pods and nodes to GET, PATCH of pods (merge), POST of bindings,
-/// PodDisruptionBudget lists; it records every request.
+/// PodDisruptionBudget lists; it records every request. Like a real one it stores objects as the API
+/// server would ([`k8s`]).
 #[derive(Default)]
 pub struct FakeApi {
-    pub pods: Mutex<BTreeMap<String, Value>>,
-    pub nodes: Mutex<BTreeMap<String, Value>>,
+    pods: Mutex<BTreeMap<String, Value>>,
+    nodes: Mutex<BTreeMap<String, Value>>,
     pub pdbs: Mutex<Vec<Value>>,
     pub seen: Mutex<Vec<Seen>>,
     /// Delay before answering a PATCH (to make binds overlap).
@@ -247,6 +256,26 @@ pub struct FakeApi {
 impl FakeApi {
     pub fn seen(&self) -> Vec<Seen> {
         self.seen.lock().expect("lock").clone()
+    }
+
+    /// Stores a pod as the API server would (`"5000"` becomes `"5k"`).
+    pub fn add_pod(&self, pod: &Value) {
+        let key = format!(
+            "{}/{}",
+            pod["metadata"]["namespace"].as_str().expect("namespace"),
+            pod["metadata"]["name"].as_str().expect("name")
+        );
+        self.pods.lock().expect("lock").insert(key, stored_pod(pod));
+    }
+
+    /// Pod `namespace/name` as stored.
+    pub fn pod(&self, key: &str) -> Option<Value> {
+        self.pods.lock().expect("lock").get(key).cloned()
+    }
+
+    pub fn add_node(&self, node: &Value) {
+        let name = node["metadata"]["name"].as_str().expect("name").to_string();
+        self.nodes.lock().expect("lock").insert(name, stored_node(node));
     }
 
     async fn answer(&self, req: Request<Incoming>) -> Response<Full<Bytes>> {

@@ -8,13 +8,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::{Node, ObjectReference, Pod};
-use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use kube::api::{ListParams, Patch, PatchParams};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::{Api, Client};
 
 use super::state::NodeState;
 use crate::node::{self, ASSIGNED_AT_ANNOTATION, ASSIGNED_GPUS_ANNOTATION, TopologyAnnotation};
+use crate::quantity::Quantity;
 
 /// Every API call this module makes, as `group/resource:verb` (the deploy tests hold the agent's RBAC
 /// to exactly this): server-side apply of its Node, the pods on its node, events on its Node
@@ -180,10 +180,11 @@ impl Cluster {
     }
 }
 
-/// The whole number of `resource` units a container asks for (limits, as for any extended resource).
+/// The whole number of `resource` units a container asks for (limits, as for any extended resource),
+/// in any form the API server writes it (`5000` comes back as `5k`).
 fn container_units(container: &k8s_openapi::api::core::v1::Container, resource: &str) -> Option<u64> {
     let resources = container.resources.as_ref()?;
     let limit = resources.limits.as_ref().and_then(|m| m.get(resource));
-    let quantity: &Quantity = limit.or_else(|| resources.requests.as_ref().and_then(|m| m.get(resource)))?;
-    quantity.0.parse().ok()
+    let quantity = limit.or_else(|| resources.requests.as_ref().and_then(|m| m.get(resource)))?;
+    Quantity::parse(&quantity.0).and_then(|q| q.whole()).ok()
 }

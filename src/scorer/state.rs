@@ -13,6 +13,7 @@ use crate::node::{
     ASSIGNED_GPUS_ANNOTATION, GpuMode, Health, TOPOLOGY_ANNOTATION, TopologyAnnotation, USAGE_ANNOTATION,
     UsageAnnotation, label_value,
 };
+use crate::quantity::{Quantity, QuantityError};
 
 /// Whole GPUs.
 pub const GPU_RESOURCE: &str = "nvidia.com/gpu";
@@ -257,8 +258,12 @@ impl NodeState {
     ) -> NodeState {
         let mut state = NodeState::broken(name, String::new());
         state.resource_version = resource_version.to_string();
-        state.cpu_milli = cpu.and_then(parse_cpu_milli).unwrap_or(0);
-        state.memory_mib = memory.and_then(parse_memory_mib).unwrap_or(0);
+        let read = |q: Option<&str>, value: fn(&Quantity) -> Result<u64, QuantityError>| {
+            q.and_then(|q| Quantity::parse(q).and_then(|q| value(&q)).ok())
+                .unwrap_or(0)
+        };
+        state.cpu_milli = read(cpu, Quantity::millis_ceil);
+        state.memory_mib = read(memory, Quantity::mib_ceil);
         match read_gpus(labels, annotations) {
             Ok((unit, gpus)) => {
                 state.unit_mib = unit;
@@ -493,7 +498,8 @@ pub fn pod_demand(pod: &Pod, rules: &ClassRules) -> Result<Option<PodDemand>, St
         return Ok(None);
     };
     // The effective request: the larger of the sum over app containers and any init container.
-    let amount = |c: &k8s_openapi::api::core::v1::Container, res: &str, parse: fn(&str) -> Option<u64>| {
+    // Extended resources: a whole count, from the limit (the request equals it when given).
+    let count = |c: &k8s_openapi::api::core::v1::Container, res: &str| {
         let r = c.resources.as_ref();
         let q = r
             .and_then(|r| r.limits.as_ref())
@@ -501,16 +507,22 @@ pub fn pod_demand(pod: &Pod, rules: &ClassRules) -> Result<Option<PodDemand>, St
             .or_else(|| r.and_then(|r| r.requests.as_ref()).and_then(|l| l.get(res)));
         match q {
             None => Ok(0),
-            Some(q) => parse(&q.0).ok_or_else(|| format!("{res} quantity {:?} is not understood", q.0)),
+            Some(q) => Quantity::parse(&q.0)
+                .and_then(|v| v.whole())
+                .map_err(|e| format!("{res} quantity {:?} is not understood: {e}", q.0)),
         }
     };
-    let request = |c: &k8s_openapi::api::core::v1::Container, res: &str, parse: fn(&str) -> Option<u64>| {
+    // CPU and memory requests only rank nodes: one the API server would not have taken counts as 0.
+    let request = |c: &k8s_openapi::api::core::v1::Container,
+                   res: &str,
+                   value: fn(&Quantity) -> Result<u64, QuantityError>| {
         let q = c
             .resources
             .as_ref()
             .and_then(|r| r.requests.as_ref())
             .and_then(|l| l.get(res));
-        q.and_then(|q| parse(&q.0)).unwrap_or(0)
+        q.and_then(|q| Quantity::parse(&q.0).and_then(|q| value(&q)).ok())
+            .unwrap_or(0)
     };
     let mut totals = [0u64; 4];
     let mut init_max = [0u64; 4];
@@ -520,10 +532,10 @@ pub fn pod_demand(pod: &Pod, rules: &ClassRules) -> Result<Option<PodDemand>, St
     ] {
         for c in containers.iter() {
             let v = [
-                amount(c, GPU_MEM_RESOURCE, parse_integer)?,
-                amount(c, GPU_RESOURCE, parse_integer)?,
-                request(c, "cpu", parse_cpu_milli),
-                request(c, "memory", parse_memory_mib),
+                count(c, GPU_MEM_RESOURCE)?,
+                count(c, GPU_RESOURCE)?,
+                request(c, "cpu", Quantity::millis_ceil),
+                request(c, "memory", Quantity::mib_ceil),
             ];
             for i in 0..4 {
                 if is_init {
@@ -635,74 +647,9 @@ pub fn assigned_gpus(pod: &Pod) -> Vec<String> {
         .unwrap_or_default()
 }
 
-fn parse_integer(q: &str) -> Option<u64> {
-    let q = q.trim();
-    // Extended resources are integers; accept the plain forms and "k"/"M" decimal suffixes.
-    let (digits, mul) = match q.as_bytes().last()? {
-        b'k' => (&q[..q.len() - 1], 1000),
-        b'M' => (&q[..q.len() - 1], 1_000_000),
-        _ => (q, 1),
-    };
-    digits.parse::<u64>().ok()?.checked_mul(mul)
-}
-
-/// A Kubernetes quantity as a number of base units (bytes, cores), as f64.
-fn parse_quantity(q: &str) -> Option<f64> {
-    let q = q.trim();
-    let split = q
-        .find(|c: char| !(c.is_ascii_digit() || c == '.' || c == '+' || c == '-'))
-        .unwrap_or(q.len());
-    let (num, suffix) = q.split_at(split);
-    let n: f64 = num.parse().ok()?;
-    let mul = match suffix {
-        "" => 1.0,
-        "m" => 1e-3,
-        "u" => 1e-6,
-        "n" => 1e-9,
-        "k" => 1e3,
-        "M" => 1e6,
-        "G" => 1e9,
-        "T" => 1e12,
-        "P" => 1e15,
-        "E" => 1e18,
-        "Ki" => 1024.0,
-        "Mi" => 1024.0 * 1024.0,
-        "Gi" => 1024.0 * 1024.0 * 1024.0,
-        "Ti" => 1024f64.powi(4),
-        "Pi" => 1024f64.powi(5),
-        "Ei" => 1024f64.powi(6),
-        s if s.starts_with(['e', 'E']) => 10f64.powi(s[1..].parse().ok()?),
-        _ => return None,
-    };
-    let v = n * mul;
-    (v.is_finite() && v >= 0.0).then_some(v)
-}
-
-pub fn parse_cpu_milli(q: &str) -> Option<u64> {
-    parse_quantity(q).map(|v| (v * 1000.0).ceil() as u64)
-}
-
-pub fn parse_memory_mib(q: &str) -> Option<u64> {
-    parse_quantity(q).map(|v| (v / (1024.0 * 1024.0)).ceil() as u64)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn quantities() {
-        assert_eq!(parse_cpu_milli("3500m"), Some(3500));
-        assert_eq!(parse_cpu_milli("2"), Some(2000));
-        assert_eq!(parse_cpu_milli("0.5"), Some(500));
-        assert_eq!(parse_memory_mib("16Gi"), Some(16384));
-        assert_eq!(parse_memory_mib("1048576"), Some(1));
-        assert_eq!(parse_memory_mib("1e9"), Some(954));
-        assert_eq!(parse_memory_mib("12Qi"), None);
-        assert_eq!(parse_integer("5000"), Some(5000));
-        assert_eq!(parse_integer("5k"), Some(5000));
-        assert_eq!(parse_integer("-1"), None);
-    }
 
     fn annotations(topology: &str, usage: &str) -> BTreeMap<String, String> {
         BTreeMap::from([
@@ -800,5 +747,47 @@ mod tests {
         assert!(pod_demand(&both, &rules).is_err_and(|e| e.contains("both")));
         let none = pod(serde_json::json!({"metadata":{"name":"p"},"spec":{"containers":[{"name":"a"}]}}));
         assert_eq!(pod_demand(&none, &rules), Ok(None));
+    }
+
+    #[test]
+    fn requests_in_every_form_the_api_server_returns() {
+        let rules = ClassRules {
+            online_priority_classes: Vec::new(),
+            online_min_priority: None,
+        };
+        let asking = |gpu_mem: &str, cpu: &str, memory: &str| {
+            pod(
+                serde_json::json!({"metadata":{"name":"p","namespace":"ns"},"spec":{"containers":[
+                {"name":"a","resources":{"limits":{"nvidia.com/gpu-mem":gpu_mem},
+                    "requests":{"nvidia.com/gpu-mem":gpu_mem,"cpu":cpu,"memory":memory}}}]}}),
+            )
+        };
+        for (gpu_mem, units) in [
+            ("5k", 5000),
+            ("5e3", 5000),
+            ("1Ki", 1024),
+            ("5001", 5001),
+            ("0.5k", 500),
+        ] {
+            let d = pod_demand(&asking(gpu_mem, "500m", "1536Mi"), &rules)
+                .expect("valid")
+                .expect("gpu pod");
+            assert_eq!(d.demand, Demand::Memory { units }, "{gpu_mem}");
+            assert_eq!((d.cpu_milli, d.memory_mib), (500, 1536), "{gpu_mem}");
+        }
+        for (gpu_mem, why) in [
+            ("1.5", "not a whole number"),
+            ("-1", "negative"),
+            ("1K", "unknown suffix \"K\""),
+            ("20E", "too large"),
+        ] {
+            let err = pod_demand(&asking(gpu_mem, "1", "1Gi"), &rules).expect_err(gpu_mem);
+            assert!(
+                err.starts_with(&format!(
+                    "nvidia.com/gpu-mem quantity {gpu_mem:?} is not understood: {why}"
+                )),
+                "{err}"
+            );
+        }
     }
 }

@@ -1,6 +1,7 @@
 //! A fake Kubernetes API server on 127.0.0.1 for the agent's tests: records what the agent writes
 //! (server-side apply of its Node, events) and serves the pods it lists. Real HTTP, real JSON, the
-//! paths and verbs kube-rs uses; only what the agent calls is implemented.
+//! paths and verbs kube-rs uses; only what the agent calls is implemented. Like a real one it returns
+//! pods as it would have stored them ([`k8s`]).
 
 #![allow(dead_code)]
 
@@ -17,6 +18,12 @@ use hyper_util::rt::TokioIo;
 use serde_json::{Value, json};
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
+
+/// Shared with the scorer's fake (tests/scorer_support.rs).
+#[path = "k8s.rs"]
+pub mod k8s;
+
+use self::k8s::{pod_matches_fields, stored_pod};
 
 /// One request the agent made.
 #[derive(Debug, Clone)]
@@ -85,9 +92,15 @@ impl FakeApiServer {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// The pods `GET /api/v1/pods` returns (filtered by `spec.nodeName` when the agent asks so).
+    /// The pods `GET /api/v1/pods` returns (filtered by the list's field selector), stored as the
+    /// API server stores them: `"5000"` comes back as `"5k"`.
     pub fn set_pods(&self, pods: Vec<Value>) {
-        self.lock().pods = pods;
+        self.lock().pods = pods.iter().map(stored_pod).collect();
+    }
+
+    /// The pods as stored.
+    pub fn pods(&self) -> Vec<Value> {
+        self.lock().pods.clone()
     }
 
     pub fn fail_next_writes(&self, n: usize) {
@@ -212,17 +225,14 @@ async fn handle(
             respond(StatusCode::OK, node)
         }
         ("GET", "/api/v1/pods") => {
-            let node = query
-                .split('&')
-                .find_map(|kv| kv.strip_prefix("fieldSelector="))
-                .map(|v| v.replace("%3D", "=").replace("%2F", "/"))
-                .and_then(|sel| sel.strip_prefix("spec.nodeName=").map(str::to_string));
-            let items: Vec<Value> = state
-                .pods
-                .iter()
-                .filter(|p| node.as_deref().is_none_or(|n| p["spec"]["nodeName"] == n))
-                .cloned()
-                .collect();
+            let mut items = Vec::new();
+            for pod in &state.pods {
+                match pod_matches_fields(pod, &query) {
+                    Ok(true) => items.push(pod.clone()),
+                    Ok(false) => {}
+                    Err(message) => return status(StatusCode::BAD_REQUEST, "BadRequest", &message),
+                }
+            }
             respond(
                 StatusCode::OK,
                 json!({"apiVersion": "v1", "kind": "PodList", "metadata": {"resourceVersion": "1"}, "items": items}),
