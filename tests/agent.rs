@@ -612,6 +612,7 @@ async fn the_node_shows_its_gpus_and_their_use_through_outages() {
         );
         assert!(applied.body.get("spec").is_none() && applied.body.get("status").is_none());
     }
+    api.assert_all_granted();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -636,6 +637,7 @@ async fn the_scorers_gpu_choice_is_honoured_while_it_fits() {
     let offer: Vec<String> = units(0, 0..15).into_iter().chain(units(3, 0..2)).collect();
     let chosen = node.kubelet.preferred(MEM, &refs(&offer), &[], 3).await.unwrap();
     assert_eq!(chosen, units(0, 0..3));
+    api.assert_all_granted();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -681,6 +683,30 @@ async fn the_scorers_gpu_choice_is_honoured_in_the_form_the_api_server_returns_t
             "{size} units"
         );
     }
+    api.assert_all_granted();
+}
+
+/// Least privilege: an agent that reports a problem on its Node, and one that looks up the scorer's
+/// choice, between them use every grant of the shipped role (and nothing else).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_agents_role_grants_exactly_what_it_uses() {
+    let reporting = Node::new().await;
+    let api = FakeApiServer::start(reporting.dir.path()).await;
+    let _reporting = reporting.agent_with_api("dgx-a100", &api, &[]);
+    let node = Node::new().await;
+    let _agent = node.agent_with_api("t4x4", &api, &["--mem-unit-mib", "1024"]);
+    node.kubelet.wait_registered(MEM, WAIT).await;
+    let all: Vec<String> = (0..4).flat_map(|g| units(g, 0..15)).collect();
+    node.kubelet.preferred(MEM, &refs(&all), &[], 3).await.unwrap();
+    api.wait_for("an event and applies of the Node", WAIT, |api| {
+        let event = api
+            .events()
+            .into_iter()
+            .any(|e| e["reason"] == "GpuMemUnitTooSmall");
+        (event && !api.node_applies("node-a").is_empty()).then_some(())
+    })
+    .await;
+    api.assert_role_is_exactly_what_was_used();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -700,6 +726,7 @@ async fn a_unit_too_small_for_the_kubelet_is_reported_on_the_node() {
     assert_eq!(event["regarding"]["name"], "node-a");
     let note = event["note"].as_str().unwrap();
     assert!(note.contains("--mem-unit-mib 5"), "{note}");
+    api.assert_all_granted();
 }
 
 /// GET `path` from `127.0.0.1:port` over plain HTTP/1.1; the body, once the server answers.

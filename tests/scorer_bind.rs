@@ -58,6 +58,7 @@ async fn bind_records_the_gpu_then_creates_the_binding() {
         json!({"apiVersion": "v1", "kind": "Node", "name": "one-big"})
     );
     assert_eq!(writes[1].body["metadata"]["name"], "infer-0");
+    api.assert_all_granted();
 }
 
 #[tokio::test]
@@ -84,6 +85,7 @@ async fn bind_uses_the_policy_choice_of_gpu() {
         patch.body["metadata"]["annotations"]["gpumem.io/assigned-gpus"],
         uuid("n", 1)
     );
+    api.assert_all_granted();
 }
 
 #[tokio::test]
@@ -123,6 +125,7 @@ async fn concurrent_binds_never_double_book_a_gpu() {
     )
     .await;
     assert_eq!(r["Nodes"]["items"], json!([]), "{r}");
+    api.assert_all_granted();
 }
 
 #[tokio::test]
@@ -144,6 +147,7 @@ async fn a_failed_binding_releases_the_reservation() {
     assert_eq!(scorer.ledger.len(), 0);
     let (_, r) = post_json(addr, "/bind", &bind_args("p2", "n")).await;
     assert_eq!(r["Error"], "", "the GPU is free again");
+    api.assert_all_granted();
 }
 
 #[tokio::test]
@@ -158,6 +162,7 @@ async fn bind_refuses_a_recreated_pod() {
         "{r}"
     );
     assert!(api.seen().iter().all(|s| s.method == "GET"));
+    api.assert_all_granted();
 }
 
 fn victim(name: &str, node: &str, gpu: usize, mib: u64, preemptible: bool, labels: Value) -> Value {
@@ -227,6 +232,7 @@ async fn preempt_keeps_only_victims_that_free_one_gpu() {
     let (status, r) = post_json(addr, "/preempt", &args).await;
     assert_eq!(status, 200, "{r}");
     check_victims(&r);
+    api.assert_all_granted();
 }
 
 #[tokio::test]
@@ -271,6 +277,7 @@ async fn preempt_meta_victims_resolve_through_the_caches() {
         api.seen().iter().all(|s| !s.path.contains("/nodes/")),
         "nodes come from the cache"
     );
+    api.assert_all_granted();
 }
 
 /// A pod another scorer replica bound to node `n` on GPU 0 `age_secs` ago, not yet in the annotation.
@@ -308,6 +315,7 @@ async fn binds_of_other_replicas_count_until_the_annotation_shows_them() {
         } else {
             assert_eq!(error, "", "a choice older than the ledger's TTL no longer counts");
         }
+        api.assert_all_granted();
     }
 }
 
@@ -349,4 +357,138 @@ async fn bind_reads_requests_in_every_form_the_api_server_returns() {
         chosen,
         [json!(uuid("n", 0)), json!(uuid("n", 2)), json!(uuid("n", 1))]
     );
+    api.assert_all_granted();
+}
+
+/// Least privilege: the scorer's reflectors, a bind whose node the cache does not have yet, and a
+/// preemption counting PodDisruptionBudgets use every grant of the shipped role, and nothing else.
+#[tokio::test]
+async fn the_scorers_role_grants_exactly_what_it_uses() {
+    let (nodes, pods, pdb) = preemption_world();
+    let api = Arc::new(FakeApi::default());
+    nodes.iter().for_each(|n| api.add_node(n));
+    pods.iter().for_each(|p| api.add_pod(p));
+    api.pdbs.lock().expect("lock").push(pdb);
+    let client = fake_api(api.clone()).await;
+    let (node_cache, pod_cache) = (NodeCache::start(client.clone()), PodCache::start(client.clone()));
+    tokio::time::timeout(Duration::from_secs(20), async {
+        node_cache.wait_synced().await;
+        pod_cache.wait_synced().await;
+    })
+    .await
+    .expect("the caches list what the API server has");
+    // Added after the list, and the watch stays quiet: a cache miss.
+    api.add_node(&node_json("late", &[g(16384, 0)]));
+    api.add_pod(&pod_json("new", 5000, 0, json!({}), json!({})));
+    let scorer = Scorer::new(Config::default(), Some(client), Some(node_cache), Some(pod_cache));
+    let (addr, _) = start(scorer).await;
+    let (_, r) = post_json(addr, "/bind", &bind_args("new", "late")).await;
+    assert_eq!(r["Error"], "", "{r}");
+    let args = json!({
+        "Pod": pod_json("big", 5000, 0, json!({}), json!({})),
+        "NodeNameToVictims": {"n": {"Pods": [pods[0], pods[1], pods[2], pods[3]], "NumPDBViolations": 1}},
+        "NodeNameToMetaVictims": null
+    });
+    let (status, r) = post_json(addr, "/preempt", &args).await;
+    assert_eq!(status, 200, "{r}");
+    api.assert_role_is_exactly_what_was_used();
+}
+
+#[test]
+fn the_fake_api_servers_see_requests_as_the_authorizer_does() {
+    use scorer_support::k8s::request_info;
+    for (method, path, query, want, namespace, name) in [
+        (
+            "GET",
+            "/api/v1/namespaces/a/pods/p",
+            "",
+            "core/pods:get",
+            Some("a"),
+            Some("p"),
+        ),
+        (
+            "GET",
+            "/api/v1/pods",
+            "fieldSelector=spec.nodeName%3Dn",
+            "core/pods:list",
+            None,
+            None,
+        ),
+        (
+            "GET",
+            "/api/v1/pods",
+            "watch=true&resourceVersion=1",
+            "core/pods:watch",
+            None,
+            None,
+        ),
+        ("GET", "/api/v1/watch/nodes", "", "core/nodes:watch", None, None),
+        ("GET", "/api/v1/nodes/n", "", "core/nodes:get", None, Some("n")),
+        (
+            "PATCH",
+            "/api/v1/nodes/n",
+            "fieldManager=x",
+            "core/nodes:patch",
+            None,
+            Some("n"),
+        ),
+        (
+            "PUT",
+            "/api/v1/nodes/n/status",
+            "",
+            "core/nodes/status:update",
+            None,
+            Some("n"),
+        ),
+        (
+            "POST",
+            "/api/v1/namespaces/a/pods/p/binding",
+            "",
+            "core/pods/binding:create",
+            Some("a"),
+            Some("p"),
+        ),
+        (
+            "DELETE",
+            "/api/v1/namespaces/a/pods",
+            "",
+            "core/pods:deletecollection",
+            Some("a"),
+            None,
+        ),
+        (
+            "GET",
+            "/api/v1/namespaces/a",
+            "",
+            "core/namespaces:get",
+            Some("a"),
+            Some("a"),
+        ),
+        (
+            "POST",
+            "/apis/events.k8s.io/v1/namespaces/d/events",
+            "",
+            "events.k8s.io/events:create",
+            Some("d"),
+            None,
+        ),
+        (
+            "GET",
+            "/apis/policy/v1/namespaces/a/poddisruptionbudgets",
+            "",
+            "policy/poddisruptionbudgets:list",
+            Some("a"),
+            None,
+        ),
+    ] {
+        let r = request_info(method, path, query);
+        assert_eq!(r.access.to_string(), want, "{method} {path}?{query}");
+        assert_eq!(
+            (r.namespace.as_deref(), r.name.as_deref()),
+            (namespace, name),
+            "{path}"
+        );
+        assert!(r.non_resource_path.is_none(), "{path}");
+    }
+    assert!(request_info("GET", "/version", "").non_resource_path.is_some());
 }

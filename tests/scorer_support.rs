@@ -12,7 +12,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use gpumem::scorer::{Config, Scorer, server};
-use http_body_util::{BodyExt, Full};
+use http_body_util::combinators::BoxBody;
+use http_body_util::{BodyExt, Full, StreamBody};
 use hyper::body::{Bytes, Incoming};
 use hyper::{Request, Response, StatusCode};
 use hyper_util::rt::TokioIo;
@@ -20,7 +21,7 @@ use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
-use self::k8s::{stored_node, stored_pod};
+use self::k8s::{Access, Authorizer, pod_matches_fields, request_info, stored_node, stored_pod};
 
 pub fn fixture(name: &str) -> String {
     let path = format!("{}/tests/fixtures/scorer/{name}", env!("CARGO_MANIFEST_DIR"));
@@ -236,12 +237,16 @@ pub struct Seen {
     pub method: String,
     pub path: String,
     pub body: Value,
+    /// What the authorizer decided on.
+    pub access: Access,
 }
 
-/// A fake Kubernetes API server: pods and nodes to GET, PATCH of pods (merge), POST of bindings,
-/// PodDisruptionBudget lists; it records every request. Like a real one it stores objects as the API
-/// server would ([`k8s`]).
-#[derive(Default)]
+type Body = BoxBody<Bytes, std::convert::Infallible>;
+
+/// A fake Kubernetes API server: nodes and pods to get, list and watch (a watch stays open and quiet),
+/// PATCH of pods (merge), POST of bindings, PodDisruptionBudget lists; it records every request. Like a
+/// real one it authorizes each request against the scorer's shipped RBAC role (403 otherwise) and
+/// stores objects as the API server would ([`k8s`]).
 pub struct FakeApi {
     pods: Mutex<BTreeMap<String, Value>>,
     nodes: Mutex<BTreeMap<String, Value>>,
@@ -251,6 +256,21 @@ pub struct FakeApi {
     pub patch_delay: Mutex<Duration>,
     /// Pods whose binding POST fails with 409.
     pub refuse_binding: Mutex<Vec<String>>,
+    authorizer: Authorizer,
+}
+
+impl Default for FakeApi {
+    fn default() -> FakeApi {
+        FakeApi {
+            pods: Mutex::default(),
+            nodes: Mutex::default(),
+            pdbs: Mutex::default(),
+            seen: Mutex::default(),
+            patch_delay: Mutex::default(),
+            refuse_binding: Mutex::default(),
+            authorizer: Authorizer::new("scorer"),
+        }
+    }
 }
 
 impl FakeApi {
@@ -278,9 +298,20 @@ impl FakeApi {
         self.nodes.lock().expect("lock").insert(name, stored_node(node));
     }
 
-    async fn answer(&self, req: Request<Incoming>) -> Response<Full<Bytes>> {
+    /// Panics if the scorer made a request its shipped role does not allow.
+    pub fn assert_all_granted(&self) {
+        self.authorizer.assert_all_granted();
+    }
+
+    /// Panics unless the scorer used every grant of its shipped role, and nothing else.
+    pub fn assert_role_is_exactly_what_was_used(&self) {
+        self.authorizer.assert_role_is_exactly_what_was_used();
+    }
+
+    async fn answer(&self, req: Request<Incoming>) -> Response<Body> {
         let method = req.method().to_string();
         let path = req.uri().path().to_string();
+        let query = req.uri().query().unwrap_or("").to_string();
         let bytes = req
             .into_body()
             .collect()
@@ -292,15 +323,25 @@ impl FakeApi {
             method: method.clone(),
             path: path.clone(),
             body: body.clone(),
+            access: request_info(&method, &path, &query).access,
         });
-        let parts: Vec<&str> = path.trim_matches('/').split('/').collect();
         let reply = |status: u16, v: Value| {
-            let mut r = Response::new(Full::new(Bytes::from(v.to_string())));
+            let mut r = Response::new(Full::new(Bytes::from(v.to_string())).boxed());
             *r.status_mut() = StatusCode::from_u16(status).expect("status");
             r.headers_mut()
                 .insert("content-type", "application/json".parse().expect("header"));
             r
         };
+        let request = match self.authorizer.authorize(&method, &path, &query) {
+            Ok(request) => request,
+            Err(refusal) => return reply(403, refusal),
+        };
+        if request.access.verb == "watch" {
+            // Open and quiet: the reflectors wait on it; the test ends first.
+            let quiet =
+                tokio_stream::pending::<Result<hyper::body::Frame<Bytes>, std::convert::Infallible>>();
+            return Response::new(StreamBody::new(quiet).boxed());
+        }
         let not_found = || {
             reply(
                 404,
@@ -308,7 +349,30 @@ impl FakeApi {
                 "reason": "NotFound", "code": 404, "message": format!("{path} not found")}),
             )
         };
+        let list = |kind: &str, items: Vec<Value>| json!({"kind": kind, "apiVersion": "v1", "metadata": {"resourceVersion": "1"}, "items": items});
+        let parts: Vec<&str> = path.trim_matches('/').split('/').collect();
         match (method.as_str(), parts.as_slice()) {
+            ("GET", ["api", "v1", "nodes"]) => {
+                let nodes = self.nodes.lock().expect("lock").values().cloned().collect();
+                reply(200, list("NodeList", nodes))
+            }
+            ("GET", ["api", "v1", "pods"]) => {
+                let mut items = Vec::new();
+                for pod in self.pods.lock().expect("lock").values() {
+                    match pod_matches_fields(pod, &query) {
+                        Ok(true) => items.push(pod.clone()),
+                        Ok(false) => {}
+                        Err(message) => {
+                            return reply(
+                                400,
+                                json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
+                                "reason": "BadRequest", "code": 400, "message": message}),
+                            );
+                        }
+                    }
+                }
+                reply(200, list("PodList", items))
+            }
             ("GET", ["api", "v1", "nodes", name]) => match self.nodes.lock().expect("lock").get(*name) {
                 Some(n) => reply(200, n.clone()),
                 None => not_found(),

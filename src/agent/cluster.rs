@@ -16,16 +16,6 @@ use super::state::NodeState;
 use crate::node::{self, ASSIGNED_AT_ANNOTATION, ASSIGNED_GPUS_ANNOTATION, TopologyAnnotation};
 use crate::quantity::Quantity;
 
-/// Every API call this module makes, as `group/resource:verb` (the deploy tests hold the agent's RBAC
-/// to exactly this): server-side apply of its Node, the pods on its node, events on its Node
-/// (kube's recorder writes events.k8s.io/v1 and patches a repeated one).
-pub const API_ACCESS: &[&str] = &[
-    "core/nodes:patch",
-    "core/pods:list",
-    "events.k8s.io/events:create",
-    "events.k8s.io/events:patch",
-];
-
 /// The field manager of everything the agent writes: it owns these labels and annotations, and
 /// nothing else on the Node.
 pub const FIELD_MANAGER: &str = "gpumem-agent";

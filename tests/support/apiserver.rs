@@ -1,7 +1,8 @@
 //! A fake Kubernetes API server on 127.0.0.1 for the agent's tests: records what the agent writes
 //! (server-side apply of its Node, events) and serves the pods it lists. Real HTTP, real JSON, the
-//! paths and verbs kube-rs uses; only what the agent calls is implemented. Like a real one it returns
-//! pods as it would have stored them ([`k8s`]).
+//! paths and verbs kube-rs uses; only what the agent calls is implemented. Like a real one it
+//! authorizes each request against the agent's shipped RBAC role (403 otherwise) and returns pods as
+//! it would have stored them ([`k8s`]).
 
 #![allow(dead_code)]
 
@@ -23,7 +24,7 @@ use tokio::task::JoinHandle;
 #[path = "k8s.rs"]
 pub mod k8s;
 
-use self::k8s::{pod_matches_fields, stored_pod};
+use self::k8s::{Access, Authorizer, pod_matches_fields, request_info, stored_pod};
 
 /// One request the agent made.
 #[derive(Debug, Clone)]
@@ -33,14 +34,16 @@ pub struct Recorded {
     pub query: String,
     pub content_type: String,
     pub body: Value,
+    /// What the authorizer decided on.
+    pub access: Access,
 }
 
-#[derive(Default)]
 struct State {
     requests: Vec<Recorded>,
     pods: Vec<Value>,
     /// Answer this many of the next writes with 503, as an API server that is away.
     failures: usize,
+    authorizer: Authorizer,
 }
 
 pub struct FakeApiServer {
@@ -54,7 +57,12 @@ impl FakeApiServer {
     pub async fn start(dir: &Path) -> FakeApiServer {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind 127.0.0.1");
         let addr = listener.local_addr().expect("local addr");
-        let state = Arc::new(Mutex::new(State::default()));
+        let state = Arc::new(Mutex::new(State {
+            requests: Vec::new(),
+            pods: Vec::new(),
+            failures: 0,
+            authorizer: Authorizer::new("agent"),
+        }));
         let shared = Arc::clone(&state);
         let task = tokio::spawn(async move {
             loop {
@@ -101,6 +109,16 @@ impl FakeApiServer {
     /// The pods as stored.
     pub fn pods(&self) -> Vec<Value> {
         self.lock().pods.clone()
+    }
+
+    /// Panics if the agent made a request its shipped role does not allow.
+    pub fn assert_all_granted(&self) {
+        self.lock().authorizer.assert_all_granted();
+    }
+
+    /// Panics unless the agent used every grant of its shipped role, and nothing else.
+    pub fn assert_role_is_exactly_what_was_used(&self) {
+        self.lock().authorizer.assert_role_is_exactly_what_was_used();
     }
 
     pub fn fail_next_writes(&self, n: usize) {
@@ -199,6 +217,7 @@ async fn handle(
         .unwrap_or_default();
     let body: Value = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
     let recorded = Recorded {
+        access: request_info(&method, &path, &query).access,
         method: method.clone(),
         path: path.clone(),
         query: query.clone(),
@@ -216,6 +235,9 @@ async fn handle(
             "ServiceUnavailable",
             "the server is currently unavailable",
         );
+    }
+    if let Err(refusal) = state.authorizer.authorize(&method, &path, &query) {
+        return respond(StatusCode::FORBIDDEN, refusal);
     }
     match (method.as_str(), path.as_str()) {
         ("PATCH", p) if p.starts_with("/api/v1/nodes/") => {

@@ -1,13 +1,129 @@
 //! What a real API server does that the fake ones of the agent's and the scorer's tests copy, so that
 //! what passes against them passes against a cluster:
+//! - it authorizes every request by (API group, resource, verb), as k8s.io/apiserver's RequestInfo
+//!   derives them from method, path and query, against the caller's RBAC: here the ClusterRole gpumem
+//!   ships for the component, in deploy/manifests/base/<component>-rbac.yaml and in the Helm chart
+//!   rendered with default values (both must grant a request), and refuses with the real 403;
 //! - it stores pods with each container's requests defaulted to its limits, and every resource
 //!   quantity in the form it writes back (`5000` comes back as `5k`);
 //! - it filters lists by the field selectors pods support.
 
 #![allow(dead_code)]
 
+use std::collections::BTreeSet;
+use std::fmt;
+use std::sync::{Mutex, OnceLock};
+
 use gpumem::quantity::Quantity;
+use k8s_openapi::api::rbac::v1::{ClusterRole, PolicyRule};
 use serde_json::{Value, json};
+
+#[path = "../deploy_support/mod.rs"]
+mod deploy_support;
+
+/// What RBAC decides on: API group ("" is core), resource (with its subresource: `pods/binding`), verb.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Access {
+    pub group: String,
+    pub resource: String,
+    pub verb: String,
+}
+
+impl Access {
+    pub fn new(group: &str, resource: &str, verb: &str) -> Access {
+        Access {
+            group: group.into(),
+            resource: resource.into(),
+            verb: verb.into(),
+        }
+    }
+}
+
+impl fmt::Display for Access {
+    /// `core/pods:get`, as the deploy tests write rules.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let group = if self.group.is_empty() {
+            "core"
+        } else {
+            &self.group
+        };
+        write!(f, "{group}/{}:{}", self.resource, self.verb)
+    }
+}
+
+/// One request as the API server's authorizer sees it.
+#[derive(Debug, Clone)]
+pub struct RequestInfo {
+    pub access: Access,
+    pub namespace: Option<String>,
+    pub name: Option<String>,
+    /// Not under /api or /apis: RBAC's nonResourceURLs, which gpumem's roles never grant.
+    pub non_resource_path: Option<String>,
+}
+
+/// The request's attributes, by k8s.io/apiserver's rules: `/api/v1/...` is the core group,
+/// `/apis/<group>/<version>/...` another; `namespaces/<ns>/` scopes what follows; then resource, name,
+/// subresource. GET is `get` on a named object, `list` on a collection, `watch` with `?watch=true` or
+/// under the legacy `/watch/` prefix; POST `create`, PUT `update`, PATCH `patch`, DELETE `delete`, or
+/// `deletecollection` on a collection.
+pub fn request_info(method: &str, path: &str, query: &str) -> RequestInfo {
+    let parts: Vec<&str> = path
+        .trim_matches('/')
+        .split('/')
+        .filter(|p| !p.is_empty())
+        .collect();
+    let (group, rest) = match parts.as_slice() {
+        ["api", _version, rest @ ..] => ("", rest),
+        ["apis", group, _version, rest @ ..] => (*group, rest),
+        _ => ("", &[][..]),
+    };
+    let (legacy_watch, mut rest) = match rest {
+        ["watch", rest @ ..] => (true, rest),
+        _ => (false, rest),
+    };
+    if rest.is_empty() {
+        return RequestInfo {
+            access: Access::new("", "", &method.to_ascii_lowercase()),
+            namespace: None,
+            name: None,
+            non_resource_path: Some(path.to_string()),
+        };
+    }
+    let mut namespace = None;
+    if let ["namespaces", ns, tail @ ..] = rest {
+        namespace = Some(ns.to_string());
+        // `namespaces/<ns>/status` and `/finalize` are the Namespace's own subresources.
+        if !tail.is_empty() && !matches!(tail[0], "status" | "finalize") {
+            rest = tail;
+        }
+    }
+    let resource = match rest {
+        [resource, _name, subresource, ..] => format!("{resource}/{subresource}"),
+        [resource, ..] => resource.to_string(),
+        [] => String::new(),
+    };
+    let name = rest.get(1).map(|n| n.to_string());
+    let watch = legacy_watch
+        || query_param(query, "watch")
+            .is_some_and(|v| matches!(v.as_str(), "1" | "t" | "T" | "true" | "TRUE" | "True"));
+    let verb = match (method, name.is_some()) {
+        ("GET" | "HEAD", _) if watch => "watch",
+        ("GET" | "HEAD", true) => "get",
+        ("GET" | "HEAD", false) => "list",
+        ("POST", _) => "create",
+        ("PUT", _) => "update",
+        ("PATCH", _) => "patch",
+        ("DELETE", true) => "delete",
+        ("DELETE", false) => "deletecollection",
+        (other, _) => other,
+    };
+    RequestInfo {
+        access: Access::new(group, &resource, &verb.to_ascii_lowercase()),
+        namespace,
+        name,
+        non_resource_path: None,
+    }
+}
 
 /// The decoded value of `key` in a URL query.
 pub fn query_param(query: &str, key: &str) -> Option<String> {
@@ -39,6 +155,227 @@ fn percent_decode(text: &str) -> String {
         }
     }
     String::from_utf8_lossy(&out).into_owned()
+}
+
+// ---------------------------------------------------------------------------------------------
+// RBAC
+
+/// The ClusterRole `gpumem-<component>` as shipped: (where from, rules), one per source.
+pub struct ShippedRole {
+    component: String,
+    sources: Vec<(String, Vec<PolicyRule>)>,
+}
+
+/// The chart rendered with default values, once per test process.
+fn chart_docs() -> &'static [(String, Value)] {
+    static DOCS: OnceLock<Vec<(String, Value)>> = OnceLock::new();
+    DOCS.get_or_init(|| deploy_support::rendered_docs(&deploy_support::render_chart(&json!({}))))
+}
+
+/// The rules of ClusterRole `name` among `docs` (from `what`).
+fn rules_of<'a>(
+    docs: impl IntoIterator<Item = &'a Value>,
+    name: &str,
+    what: &str,
+) -> (String, Vec<PolicyRule>) {
+    let role = docs
+        .into_iter()
+        .find(|d| d["kind"] == "ClusterRole" && d["metadata"]["name"] == name)
+        .unwrap_or_else(|| panic!("{what} has no ClusterRole {name}"));
+    let role: ClusterRole = deploy_support::parse(role);
+    (what.to_string(), role.rules.unwrap_or_default())
+}
+
+impl ShippedRole {
+    pub fn of(component: &str) -> ShippedRole {
+        let name = format!("{}-{component}", deploy_support::RELEASE);
+        let file = format!("deploy/manifests/base/{component}-rbac.yaml");
+        let manifest =
+            deploy_support::yaml_docs(&deploy_support::read(&deploy_support::repo().join(&file)), &file);
+        ShippedRole {
+            component: component.to_string(),
+            sources: vec![
+                rules_of(&manifest, &name, &file),
+                rules_of(
+                    chart_docs().iter().map(|(_, d)| d),
+                    &name,
+                    "the Helm chart with default values",
+                ),
+            ],
+        }
+    }
+
+    /// The ServiceAccount's user name, as the API server's messages give it.
+    pub fn user(&self) -> String {
+        format!(
+            "system:serviceaccount:{}:{}-{}",
+            deploy_support::NAMESPACE,
+            deploy_support::RELEASE,
+            self.component
+        )
+    }
+
+    /// The sources whose rules do not grant `request`.
+    pub fn denying(&self, request: &RequestInfo) -> Vec<&str> {
+        self.sources
+            .iter()
+            .filter(|(_, rules)| !rules.iter().any(|r| grants(r, request)))
+            .map(|(what, _)| what.as_str())
+            .collect()
+    }
+
+    /// Every (group, resource, verb) a source's rules name.
+    pub fn granted(&self) -> BTreeSet<Access> {
+        let mut out = BTreeSet::new();
+        for (_, rules) in &self.sources {
+            for rule in rules {
+                for group in rule.api_groups.iter().flatten() {
+                    for resource in rule.resources.iter().flatten() {
+                        for verb in &rule.verbs {
+                            out.insert(Access::new(group, resource, verb));
+                        }
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    /// The API server's message for a refused request.
+    pub fn forbidden_message(&self, request: &RequestInfo) -> String {
+        let user = self.user();
+        let Access {
+            group,
+            resource,
+            verb,
+        } = &request.access;
+        if let Some(path) = &request.non_resource_path {
+            return format!("forbidden: User {user:?} cannot {verb} path {path:?}");
+        }
+        let base = resource.split('/').next().unwrap_or_default();
+        let qualified = if group.is_empty() {
+            base.to_string()
+        } else {
+            format!("{base}.{group}")
+        };
+        let subject = match &request.name {
+            Some(name) => format!("{qualified} {name:?}"),
+            None => qualified,
+        };
+        let scope = match &request.namespace {
+            Some(ns) => format!("in the namespace {ns:?}"),
+            None => "at the cluster scope".into(),
+        };
+        format!(
+            "{subject} is forbidden: User {user:?} cannot {verb} resource {resource:?} in API group {group:?} {scope}"
+        )
+    }
+}
+
+/// RBAC's rule match (k8s.io/component-helpers/auth/rbac/validation): groups, resources (or
+/// `*/<subresource>`), verbs, each with `*`; resourceNames, when given, must name the object.
+fn grants(rule: &PolicyRule, request: &RequestInfo) -> bool {
+    if request.non_resource_path.is_some() {
+        return false;
+    }
+    let Access {
+        group,
+        resource,
+        verb,
+    } = &request.access;
+    let any =
+        |list: Option<&Vec<String>>, want: &str| list.into_iter().flatten().any(|x| x == "*" || x == want);
+    let subresource = resource.split_once('/').map(|(_, s)| s);
+    let resource_ok =
+        rule.resources.iter().flatten().any(|r| {
+            r == "*" || r == resource || subresource.is_some_and(|s| r.strip_prefix("*/") == Some(s))
+        });
+    let names = rule.resource_names.as_deref().unwrap_or_default();
+    any(rule.api_groups.as_ref(), group)
+        && resource_ok
+        && any(Some(&rule.verbs), verb)
+        && (names.is_empty() || request.name.as_ref().is_some_and(|n| names.contains(n)))
+}
+
+/// A fake API server's authorizer: it decides each request against the component's shipped role and
+/// remembers what was asked.
+pub struct Authorizer {
+    role: ShippedRole,
+    log: Mutex<Vec<(RequestInfo, Vec<String>)>>,
+}
+
+impl Authorizer {
+    pub fn new(component: &str) -> Authorizer {
+        Authorizer {
+            role: ShippedRole::of(component),
+            log: Mutex::new(Vec::new()),
+        }
+    }
+
+    fn log(&self) -> std::sync::MutexGuard<'_, Vec<(RequestInfo, Vec<String>)>> {
+        self.log.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Records the request; the 403 Status to answer when the shipped role does not grant it.
+    pub fn authorize(&self, method: &str, path: &str, query: &str) -> Result<RequestInfo, Value> {
+        let request = request_info(method, path, query);
+        let denying: Vec<String> = self
+            .role
+            .denying(&request)
+            .into_iter()
+            .map(String::from)
+            .collect();
+        self.log().push((request.clone(), denying.clone()));
+        if denying.is_empty() {
+            return Ok(request);
+        }
+        Err(json!({
+            "kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+            "message": self.role.forbidden_message(&request), "reason": "Forbidden",
+            "details": {"name": request.name, "kind": request.access.resource}, "code": 403,
+        }))
+    }
+
+    /// Every (group, resource, verb) requested so far.
+    pub fn used(&self) -> BTreeSet<Access> {
+        self.log().iter().map(|(r, _)| r.access.clone()).collect()
+    }
+
+    /// Panics, naming them, if the shipped role refused any request.
+    pub fn assert_all_granted(&self) {
+        let refused: Vec<String> = self
+            .log()
+            .iter()
+            .filter(|(_, denying)| !denying.is_empty())
+            .map(|(r, denying)| {
+                format!(
+                    "{} (refused by {})",
+                    self.role.forbidden_message(r),
+                    denying.join(", ")
+                )
+            })
+            .collect();
+        assert!(
+            refused.is_empty(),
+            "the {} did what its shipped role does not allow:\n{}",
+            self.role.component,
+            refused.join("\n")
+        );
+    }
+
+    /// Panics unless the requests were all granted and used every grant of the shipped role: least
+    /// privilege, for a test that makes every kind of call the component makes.
+    pub fn assert_role_is_exactly_what_was_used(&self) {
+        self.assert_all_granted();
+        let granted = self.role.granted();
+        let used = self.used();
+        let unused: Vec<String> = granted.difference(&used).map(Access::to_string).collect();
+        assert!(
+            unused.is_empty(),
+            "the {}'s shipped role grants what it never used: {unused:?}",
+            self.role.component
+        );
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
