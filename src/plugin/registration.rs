@@ -7,8 +7,10 @@ use std::time::Duration;
 
 use tokio::net::UnixListener;
 use tokio::sync::watch;
+use tokio_stream::StreamExt as _;
 use tokio_stream::wrappers::UnixListenerStream;
 
+use super::authority::AuthorityRewrite;
 use super::proto::v1beta1::device_plugin_server::DevicePluginServer;
 use super::proto::v1beta1::registration_client::RegistrationClient;
 use super::proto::v1beta1::{DevicePluginOptions, RegisterRequest};
@@ -50,7 +52,11 @@ pub async fn run(
         let server = tokio::spawn(
             tonic::transport::Server::builder()
                 .add_service(DevicePluginServer::new(plugin.clone()))
-                .serve_with_incoming(UnixListenerStream::new(listener)),
+                // Every connection goes through the adapter: kubelets before 1.26 send the socket
+                // path as :authority, which h2 rejects.
+                .serve_with_incoming(
+                    UnixListenerStream::new(listener).map(|conn| conn.map(AuthorityRewrite::new)),
+                ),
         );
         tracing::info!(%resource, socket = %socket.display(), "serving device plugin");
 
