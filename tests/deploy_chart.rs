@@ -123,7 +123,8 @@ fn default_values_render_the_expected_typed_objects() {
     let expected: BTreeSet<String> = expected.iter().map(|s| s.to_string()).collect();
     assert_eq!(names, expected, "objects rendered with default values");
 
-    // Scorer: 2 replicas behind a PDB, probes on /healthz at the port the Service names.
+    // Scorer: 2 replicas behind a PDB; ready once its caches synced (/readyz), alive while it serves
+    // (/healthz), both at the port the Service names.
     let scorer: Deployment = get(&docs, "Deployment", "gpumem-scorer");
     assert_eq!(scorer.spec.as_ref().unwrap().replicas, Some(2));
     let spec = scorer.spec.as_ref().unwrap().template.spec.as_ref().unwrap();
@@ -134,9 +135,9 @@ fn default_values_render_the_expected_typed_objects() {
     );
     let port = &c.ports.as_ref().unwrap()[0];
     assert_eq!((port.name.as_deref(), port.container_port), (Some("http"), 8080));
-    for probe in [&c.readiness_probe, &c.liveness_probe] {
+    for (probe, path) in [(&c.readiness_probe, "/readyz"), (&c.liveness_probe, "/healthz")] {
         let get = probe.as_ref().unwrap().http_get.as_ref().unwrap();
-        assert_eq!(get.path.as_deref(), Some("/healthz"));
+        assert_eq!(get.path.as_deref(), Some(path));
         assert_eq!(serde_json::to_value(&get.port).unwrap(), json!("http"));
     }
     let pod_sc = spec.security_context.as_ref().unwrap();

@@ -348,3 +348,42 @@ async fn prioritize_ranks_the_states_filter_checked() {
     let (_, other) = post_json(addr, "/prioritize", &args("p3", &["a", "c"])).await;
     assert_eq!(ranked(&other)[1], ("c".to_string(), 0));
 }
+
+#[tokio::test]
+async fn a_starting_scorer_waits_for_its_caches_instead_of_refusing_every_node() {
+    let api = std::sync::Arc::new(FakeApi::default());
+    api.add_node(&node_json("n1", &[g(16000, 0)]));
+    api.hold_lists.send_replace(true);
+    let client = fake_api(api.clone()).await;
+    let nodes = NodeCache::start(client.clone());
+    let pods = gpumem::scorer::cache::PodCache::start(client.clone());
+    let (addr, _) = start(Scorer::new(
+        Config::default(),
+        Some(client),
+        Some(nodes),
+        Some(pods),
+    ))
+    .await;
+
+    let (status, body) = Conn::open(addr).await.request("GET", "/readyz", b"").await;
+    assert_eq!((status, body.contains("node cache")), (503, true), "{body}");
+    let (status, _) = Conn::open(addr).await.request("GET", "/healthz", b"").await;
+    assert_eq!(status, 200, "alive while not ready");
+
+    // Not synced within the wait: an error kube-scheduler retries, not "no such node".
+    let args = json!({"Pod": pod_json("p", 5000, 0, json!({}), json!({})), "NodeNames": ["n1"]});
+    let (status, body) = post(addr, "/filter", &args.to_string()).await;
+    assert_eq!(status, 503, "{body}");
+    assert!(body.contains("has not synced"), "{body}");
+
+    // A call that arrives before the first list, which then comes: answered from the synced cache.
+    let waiting = tokio::spawn(async move { post_json(addr, "/filter", &args).await });
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    api.hold_lists.send_replace(false);
+    let (status, result) = waiting.await.expect("filter");
+    assert_eq!(status, 200, "{result}");
+    assert_eq!(result["NodeNames"], json!(["n1"]), "{result}");
+    let (status, _) = Conn::open(addr).await.request("GET", "/readyz", b"").await;
+    assert_eq!(status, 200);
+    api.assert_all_granted();
+}

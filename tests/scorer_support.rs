@@ -256,6 +256,8 @@ pub struct FakeApi {
     pub patch_delay: Mutex<Duration>,
     /// Pods whose binding POST fails with 409.
     pub refuse_binding: Mutex<Vec<String>>,
+    /// While true, lists wait (an API server slow to answer a starting scorer).
+    pub hold_lists: tokio::sync::watch::Sender<bool>,
     authorizer: Authorizer,
 }
 
@@ -268,6 +270,7 @@ impl Default for FakeApi {
             seen: Mutex::default(),
             patch_delay: Mutex::default(),
             refuse_binding: Mutex::default(),
+            hold_lists: tokio::sync::watch::Sender::new(false),
             authorizer: Authorizer::new("scorer"),
         }
     }
@@ -349,6 +352,9 @@ impl FakeApi {
                 "reason": "NotFound", "code": 404, "message": format!("{path} not found")}),
             )
         };
+        if method == "GET" && matches!(request.access.verb.as_str(), "list") {
+            let _ = self.hold_lists.subscribe().wait_for(|held| !*held).await;
+        }
         let list = |kind: &str, items: Vec<Value>| json!({"kind": kind, "apiVersion": "v1", "metadata": {"resourceVersion": "1"}, "items": items});
         let parts: Vec<&str> = path.trim_matches('/').split('/').collect();
         match (method.as_str(), parts.as_slice()) {

@@ -3,7 +3,7 @@
 //! only when its resourceVersion changes), so a decision only looks nodes up by name, under one lock.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, OnceLock, RwLock};
 
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::runtime::reflector::{self, Store};
@@ -12,6 +12,9 @@ use kube::{Api, Client};
 use tokio_stream::StreamExt;
 
 use super::state::NodeState;
+
+/// Something told of each object a cache sees change (set once, after the cache starts).
+type Hook<T> = Box<dyn Fn(&T) + Send + Sync>;
 
 /// Parsed GPU state by node name, kept in step with the watch events.
 #[derive(Default)]
@@ -25,6 +28,10 @@ struct View {
 /// Nodes by name, as the API server last said, with their parsed GPU state.
 pub struct NodeCache {
     view: RwLock<View>,
+    /// True once the first list has been applied: before that, a missing node may just not be read yet.
+    synced: tokio::sync::watch::Sender<bool>,
+    /// Told every node version as it arrives (see [`NodeCache::on_update`]).
+    on_update: OnceLock<Hook<NodeState>>,
     /// Keeps a hand-fed store's writer alive (see [`NodeCache::from_nodes`]).
     _writer: Option<reflector::store::Writer<Node>>,
     _store: Store<Node>,
@@ -36,6 +43,8 @@ impl NodeCache {
         let (store, writer) = reflector::store();
         let cache = Arc::new(NodeCache {
             view: RwLock::new(View::default()),
+            synced: tokio::sync::watch::Sender::new(false),
+            on_update: OnceLock::new(),
             _writer: None,
             _store: store,
         });
@@ -63,6 +72,8 @@ impl NodeCache {
         let mut writer = reflector::store::Writer::<Node>::default();
         let cache = NodeCache {
             view: RwLock::new(View::default()),
+            synced: tokio::sync::watch::Sender::new(false),
+            on_update: OnceLock::new(),
             _store: writer.as_reader(),
             _writer: None,
         };
@@ -101,6 +112,9 @@ impl NodeCache {
                     Some(s) if !rv.is_empty() && s.resource_version == rv => s,
                     _ => Arc::new(NodeState::from_node(node)),
                 };
+                if let Some(on_update) = self.on_update.get() {
+                    on_update(&state);
+                }
                 let mut view = self.write();
                 if let Some(seen) = view.relist.as_mut() {
                     seen.insert(name.to_string());
@@ -120,8 +134,28 @@ impl NodeCache {
                 if let Some(seen) = view.relist.take() {
                     view.nodes.retain(|name, _| seen.contains(name));
                 }
+                drop(view);
+                self.synced.send_replace(true);
             }
         }
+    }
+
+    /// Calls `f` with every node version from now on (once: a second hook is ignored). The ledger hears
+    /// of each usage annotation this way, including versions no decision happens to read.
+    pub fn on_update(&self, f: impl Fn(&NodeState) + Send + Sync + 'static) {
+        let _ = self.on_update.set(Box::new(f));
+    }
+
+    /// Whether the first list of nodes has been applied.
+    pub fn is_synced(&self) -> bool {
+        *self.synced.borrow()
+    }
+
+    /// Waits until the first list of nodes has been applied.
+    pub async fn wait_synced(&self) {
+        let mut synced = self.synced.subscribe();
+        // The sender lives as long as `self`: the wait cannot end in an error.
+        let _ = synced.wait_for(|s| *s).await;
     }
 
     /// Node `name`'s GPU state, if the cache has the node.
@@ -162,6 +196,10 @@ impl NodeCache {
 /// Scheduled pods, to resolve preemption victims given by UID.
 pub struct PodCache {
     store: Store<Pod>,
+    /// True once the first list has been read (see [`NodeCache`]'s).
+    synced: tokio::sync::watch::Sender<bool>,
+    /// Told of every scheduled pod that is deleted (see [`PodCache::on_delete`]).
+    on_delete: OnceLock<Hook<Pod>>,
     _writer: Option<reflector::store::Writer<Pod>>,
 }
 
@@ -170,15 +208,31 @@ impl PodCache {
         let (store, writer) = reflector::store();
         let config = watcher::Config::default().fields("spec.nodeName!=");
         let stream = reflector::reflector(writer, watcher(Api::<Pod>::all(client), config)).default_backoff();
+        let cache = Arc::new(PodCache {
+            store,
+            synced: tokio::sync::watch::Sender::new(false),
+            on_delete: OnceLock::new(),
+            _writer: None,
+        });
+        let feed = cache.clone();
         tokio::spawn(async move {
             let mut stream = std::pin::pin!(stream);
             while let Some(event) = stream.next().await {
-                if let Err(e) = event {
-                    tracing::warn!("pod watch: {e}");
+                match event {
+                    Ok(watcher::Event::InitDone) => {
+                        feed.synced.send_replace(true);
+                    }
+                    Ok(watcher::Event::Delete(pod)) => {
+                        if let Some(on_delete) = feed.on_delete.get() {
+                            on_delete(&pod);
+                        }
+                    }
+                    Ok(_) => {}
+                    Err(e) => tracing::warn!("pod watch: {e}"),
                 }
             }
         });
-        Arc::new(PodCache { store, _writer: None })
+        cache
     }
 
     pub fn from_pods(pods: impl IntoIterator<Item = Pod>) -> Arc<PodCache> {
@@ -190,8 +244,26 @@ impl PodCache {
         writer.apply_watcher_event(&watcher::Event::InitDone);
         Arc::new(PodCache {
             store: writer.as_reader(),
+            synced: tokio::sync::watch::Sender::new(true),
+            on_delete: OnceLock::new(),
             _writer: Some(writer),
         })
+    }
+
+    /// Calls `f` with every scheduled pod deleted from now on (once: a second hook is ignored).
+    pub fn on_delete(&self, f: impl Fn(&Pod) + Send + Sync + 'static) {
+        let _ = self.on_delete.set(Box::new(f));
+    }
+
+    /// Whether the first list of pods has been read.
+    pub fn is_synced(&self) -> bool {
+        *self.synced.borrow()
+    }
+
+    /// Waits until the first list of pods has been read.
+    pub async fn wait_synced(&self) {
+        let mut synced = self.synced.subscribe();
+        let _ = synced.wait_for(|s| *s).await;
     }
 
     /// Pods bound to `node`.
@@ -363,6 +435,25 @@ mod tests {
                 .is_some_and(|p| p.contains("cannot be read"))
         );
         assert_eq!(broken[0].name, "x");
+    }
+
+    #[test]
+    fn the_update_hook_hears_every_node_version_and_sync_is_reported() {
+        let node = |rv: &str| -> Node {
+            serde_json::from_value(serde_json::json!({"metadata": {"name": "a", "resourceVersion": rv}}))
+                .expect("node")
+        };
+        let cache = NodeCache::from_nodes([]);
+        assert!(cache.is_synced(), "a hand-fed cache has had its list");
+        let heard = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let log = heard.clone();
+        cache.on_update(move |n| log.lock().expect("lock").push(n.resource_version.clone()));
+        cache.apply(&watcher::Event::Apply(node("1")));
+        cache.apply(&watcher::Event::Apply(node("2")));
+        cache.apply(&watcher::Event::Init);
+        assert!(cache.is_synced(), "a relist does not make it unsynced");
+        cache.apply(&watcher::Event::InitApply(node("3")));
+        assert_eq!(*heard.lock().expect("lock"), ["1", "2", "3"]);
     }
 
     #[test]

@@ -4,8 +4,10 @@
 //! binds can never both take the last room on one GPU. There is no node lock: any number of pods per
 //! node may be in flight.
 //!
-//! A reservation ends when the agent's usage annotation lists the pod on the GPU, when the bind fails,
-//! or after a TTL (a pod that never started).
+//! A reservation ends when any version of the node's usage annotation lists the pod on the GPU (the node
+//! cache reports each version: [`Ledger::confirm`]), when the pod is deleted, when the bind fails, or after
+//! a TTL (a pod that never started). Waiting for the next decision to notice would be too late: a pod that
+//! ran and was deleted in between would hold its GPU until the TTL.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -79,7 +81,18 @@ impl Ledger {
         Ok(r)
     }
 
-    /// Forgets `pod`'s reservation on `node` (its bind failed).
+    /// Ends the reservations that `node`'s usage annotation shows: the agent accounts for them now.
+    pub fn confirm(&self, node: &NodeState) {
+        let mut nodes = self.lock();
+        if let Some(list) = nodes.get_mut(&node.name) {
+            list.retain(|r| !shown(r, node.gpus()));
+            if list.is_empty() {
+                nodes.remove(&node.name);
+            }
+        }
+    }
+
+    /// Forgets `pod`'s reservation on `node` (its bind failed, or the pod is gone).
     pub fn release(&self, node: &str, pod: &str) {
         let mut nodes = self.lock();
         if let Some(list) = nodes.get_mut(node) {
@@ -112,17 +125,19 @@ fn apply_locked(nodes: &mut HashMap<String, Vec<Reservation>>, ttl: Duration, no
         return 0;
     };
     let now = Instant::now();
-    let visible = |r: &Reservation, gpus: &[GpuState]| {
-        r.gpus
-            .iter()
-            .any(|(p, _)| gpus.get(*p).is_some_and(|g| g.pods.contains(&r.pod)))
-    };
-    list.retain(|r| now.duration_since(r.at) < ttl && !visible(r, node.gpus()));
+    list.retain(|r| now.duration_since(r.at) < ttl && !shown(r, node.gpus()));
     let taken = list.iter().map(|r| subtract(node, r)).sum();
     if list.is_empty() {
         nodes.remove(&node.name);
     }
     taken
+}
+
+/// Whether the usage annotation behind `gpus` lists `r`'s pod on one of its GPUs.
+fn shown(r: &Reservation, gpus: &[GpuState]) -> bool {
+    r.gpus
+        .iter()
+        .any(|(p, _)| gpus.get(*p).is_some_and(|g| g.pods.contains(&r.pod)))
 }
 
 /// Takes what `r` holds out of `node`'s free memory; returns the MiB taken.
@@ -197,6 +212,24 @@ mod tests {
         reported.gpus_mut()[0].pods.push("a/p1".into());
         assert_eq!(ledger.apply(&mut reported), 0);
         assert!(ledger.is_empty());
+    }
+
+    #[test]
+    fn a_node_version_that_showed_the_pod_ends_its_reservation_for_good() {
+        let ledger = Ledger::new(Duration::from_secs(60));
+        ledger
+            .reserve(&mut node(&[6000]), take("a/p1", 5000))
+            .expect("fits");
+        // The agent lists p1; no decision happens to look.
+        let mut shows = node(&[1000]);
+        shows.gpus_mut()[0].pods.push("a/p1".into());
+        ledger.confirm(&node(&[6000]));
+        assert_eq!(ledger.len(), 1, "a version without the pod changes nothing");
+        ledger.confirm(&shows);
+        // p1 is deleted and the annotation is idle again: nothing is held for it any more.
+        let mut idle = node(&[6000]);
+        assert_eq!(ledger.apply(&mut idle), 0);
+        assert_eq!(idle.gpus()[0].free_mib(), 6000);
     }
 
     #[test]

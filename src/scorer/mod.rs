@@ -33,19 +33,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::{ListParams, Patch, PatchParams, PostParams};
 use kube::{Api, Client};
 use serde::Deserialize;
-
-/// Every API call the scorer makes, as `group/resource:verb` (the deploy tests hold its RBAC to
-/// exactly this): node and pod reflectors, the chosen-GPU annotation, the binding, and the
-/// PodDisruptionBudgets preemption counts.
-pub const API_ACCESS: &[&str] = &[
-    "core/nodes:list",
-    "core/nodes:watch",
-    "core/pods:list",
-    "core/pods:watch",
-    "core/pods:patch",
-    "core/pods/binding:create",
-    "policy/poddisruptionbudgets:list",
-];
+use tokio::signal::unix::{SignalKind, signal};
 
 use self::cache::{NodeCache, PodCache, RawNodeCache};
 use self::decide::Rejection;
@@ -264,6 +252,60 @@ impl Scorer {
             gauges_at: Mutex::new(None),
             kept: Mutex::new(Vec::new()),
         }
+    }
+
+    /// Lets the caches end ledger reservations the moment they are settled: a node version whose usage
+    /// annotation shows the pod, or the pod's deletion.
+    pub fn follow_caches(self: &Arc<Self>) {
+        if let Some(nodes) = &self.nodes {
+            let scorer = Arc::downgrade(self);
+            nodes.on_update(move |node| {
+                if let Some(scorer) = scorer.upgrade() {
+                    scorer.ledger.confirm(node);
+                }
+            });
+        }
+        if let Some(pods) = &self.pods {
+            let scorer = Arc::downgrade(self);
+            pods.on_delete(move |pod| {
+                let (Some(scorer), Some(ns), Some(name), Some(node)) = (
+                    scorer.upgrade(),
+                    pod.metadata.namespace.as_deref(),
+                    pod.metadata.name.as_deref(),
+                    pod.spec.as_ref().and_then(|s| s.node_name.as_deref()),
+                ) else {
+                    return;
+                };
+                scorer.ledger.release(node, &format!("{ns}/{name}"));
+            });
+        }
+    }
+
+    /// What has not read its first list from the API server yet (`None`: ready). Before the node and
+    /// pod caches sync, every node looks unknown and bound pods uncounted: answering then would refuse
+    /// the first pods everywhere, or double-book GPUs.
+    pub fn not_synced(&self) -> Option<&'static str> {
+        if self.nodes.as_ref().is_some_and(|n| !n.is_synced()) {
+            Some("the node cache has not synced with the API server yet")
+        } else if self.pods.as_ref().is_some_and(|p| !p.is_synced()) {
+            Some("the pod cache has not synced with the API server yet")
+        } else {
+            None
+        }
+    }
+
+    /// Waits up to `within` for [`Scorer::not_synced`] to clear; `Err` says what is still missing.
+    pub async fn wait_synced(&self, within: Duration) -> Result<(), &'static str> {
+        let both = async {
+            if let Some(nodes) = &self.nodes {
+                nodes.wait_synced().await;
+            }
+            if let Some(pods) = &self.pods {
+                pods.wait_synced().await;
+            }
+        };
+        let _ = tokio::time::timeout(within, both).await;
+        self.not_synced().map_or(Ok(()), Err)
     }
 
     /// Recomputes the cluster gauges (fragmentation, allocated share) if they are older than
@@ -793,12 +835,18 @@ pub fn run(args: &ScorerArgs) -> anyhow::Result<()> {
             (Some(client), Some(nodes), Some(pods))
         };
         let scorer = Arc::new(Scorer::new(config, client, nodes, pods));
+        scorer.follow_caches();
         let listener = tokio::net::TcpListener::bind(args.listen)
             .await
             .with_context(|| format!("listening on {}", args.listen))?;
         tracing::info!("gpumem scorer listening on {}", args.listen);
-        server::serve(listener, scorer, async {
-            let _ = tokio::signal::ctrl_c().await;
+        // SIGTERM is how Kubernetes stops a pod; as PID 1 of its image the scorer gets no default handler.
+        let mut terminate = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
+        server::serve(listener, scorer, async move {
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => tracing::info!("interrupted: stopping"),
+                _ = terminate.recv() => tracing::info!("SIGTERM: stopping"),
+            }
         })
         .await;
         Ok(())

@@ -8,6 +8,7 @@
 use std::convert::Infallible;
 use std::future::Future;
 use std::sync::Arc;
+use std::time::Duration;
 
 use http_body_util::{BodyExt, Full, LengthLimitError, Limited};
 use hyper::body::{Bytes, Incoming};
@@ -117,12 +118,36 @@ async fn body<T: DeserializeOwned>(req: Request<Incoming>, limit: usize, what: &
         .map_err(|e| text(StatusCode::BAD_REQUEST, format!("malformed {what} request: {e}")))
 }
 
+/// How long a verb waits for the caches' first lists before answering 503: well inside kube-scheduler's
+/// `httpTimeout` (5 s in the shipped configuration), which then retries the pod with backoff instead of
+/// recording it unschedulable on every node.
+const SYNC_WAIT: Duration = Duration::from_secs(3);
+
 async fn handle(scorer: &Scorer, req: Request<Incoming>) -> Reply {
     let path = req.uri().path().trim_end_matches('/');
     let verb = path.rsplit('/').next().unwrap_or("").to_string();
     let limit = scorer.config.max_body_bytes;
+    let decision: Option<&'static str> = match verb.as_str() {
+        "filter" => Some("filter"),
+        "prioritize" => Some("prioritize"),
+        "bind" => Some("bind"),
+        "preempt" => Some("preempt"),
+        _ => None,
+    };
+    if let (&Method::POST, Some(decision)) = (req.method(), decision)
+        && let Err(missing) = scorer.wait_synced(SYNC_WAIT).await
+    {
+        tracing::warn!(verb = decision, "not answering: {missing}");
+        let reply = text(StatusCode::SERVICE_UNAVAILABLE, format!("{missing}; retry"));
+        return refused(scorer, decision, reply);
+    }
     match (req.method(), verb.as_str()) {
+        // Liveness: the process serves. Readiness: it can also decide (its caches have synced).
         (&Method::GET, "healthz") => text(StatusCode::OK, "ok".into()),
+        (&Method::GET, "readyz") => match scorer.not_synced() {
+            None => text(StatusCode::OK, "ok".into()),
+            Some(missing) => text(StatusCode::SERVICE_UNAVAILABLE, missing.into()),
+        },
         (&Method::GET, "metrics") => {
             scorer.refresh_gauges();
             reply(
@@ -156,7 +181,7 @@ async fn handle(scorer: &Scorer, req: Request<Incoming>) -> Reply {
             },
             Err(r) => refused(scorer, "preempt", r),
         },
-        (_, "healthz" | "metrics" | "filter" | "prioritize" | "bind" | "preempt") => text(
+        (_, "healthz" | "readyz" | "metrics" | "filter" | "prioritize" | "bind" | "preempt") => text(
             StatusCode::METHOD_NOT_ALLOWED,
             format!("{} is not allowed on {path}", req.method()),
         ),
