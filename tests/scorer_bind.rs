@@ -372,8 +372,8 @@ async fn the_scorers_role_grants_exactly_what_it_uses() {
     let client = fake_api(api.clone()).await;
     let (node_cache, pod_cache) = (NodeCache::start(client.clone()), PodCache::start(client.clone()));
     tokio::time::timeout(Duration::from_secs(20), async {
-        node_cache.wait_synced().await;
-        pod_cache.wait_synced().await;
+        node_cache.synced().wait().await;
+        pod_cache.synced().wait().await;
     })
     .await
     .expect("the caches list what the API server has");

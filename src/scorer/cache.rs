@@ -13,6 +13,29 @@ use tokio_stream::StreamExt;
 
 use super::state::NodeState;
 
+/// Whether a cache has applied its first list from the API server (before that, a missing object may just
+/// not be read yet); it can be waited for.
+pub struct Synced(tokio::sync::watch::Sender<bool>);
+
+impl Synced {
+    fn new(done: bool) -> Synced {
+        Synced(tokio::sync::watch::Sender::new(done))
+    }
+
+    fn mark(&self) {
+        self.0.send_replace(true);
+    }
+
+    pub fn done(&self) -> bool {
+        *self.0.borrow()
+    }
+
+    pub async fn wait(&self) {
+        // The sender lives as long as `self`: the wait cannot end in an error.
+        let _ = self.0.subscribe().wait_for(|done| *done).await;
+    }
+}
+
 /// Something told of each object a cache sees change (set once, after the cache starts).
 type Hook<T> = Box<dyn Fn(&T) + Send + Sync>;
 
@@ -28,8 +51,7 @@ struct View {
 /// Nodes by name, as the API server last said, with their parsed GPU state.
 pub struct NodeCache {
     view: RwLock<View>,
-    /// True once the first list has been applied: before that, a missing node may just not be read yet.
-    synced: tokio::sync::watch::Sender<bool>,
+    synced: Synced,
     /// Told every node version as it arrives (see [`NodeCache::on_update`]).
     on_update: OnceLock<Hook<NodeState>>,
     /// Keeps a hand-fed store's writer alive (see [`NodeCache::from_nodes`]).
@@ -43,7 +65,7 @@ impl NodeCache {
         let (store, writer) = reflector::store();
         let cache = Arc::new(NodeCache {
             view: RwLock::new(View::default()),
-            synced: tokio::sync::watch::Sender::new(false),
+            synced: Synced::new(false),
             on_update: OnceLock::new(),
             _writer: None,
             _store: store,
@@ -72,7 +94,7 @@ impl NodeCache {
         let mut writer = reflector::store::Writer::<Node>::default();
         let cache = NodeCache {
             view: RwLock::new(View::default()),
-            synced: tokio::sync::watch::Sender::new(false),
+            synced: Synced::new(false),
             on_update: OnceLock::new(),
             _store: writer.as_reader(),
             _writer: None,
@@ -135,7 +157,7 @@ impl NodeCache {
                     view.nodes.retain(|name, _| seen.contains(name));
                 }
                 drop(view);
-                self.synced.send_replace(true);
+                self.synced.mark();
             }
         }
     }
@@ -147,15 +169,8 @@ impl NodeCache {
     }
 
     /// Whether the first list of nodes has been applied.
-    pub fn is_synced(&self) -> bool {
-        *self.synced.borrow()
-    }
-
-    /// Waits until the first list of nodes has been applied.
-    pub async fn wait_synced(&self) {
-        let mut synced = self.synced.subscribe();
-        // The sender lives as long as `self`: the wait cannot end in an error.
-        let _ = synced.wait_for(|s| *s).await;
+    pub fn synced(&self) -> &Synced {
+        &self.synced
     }
 
     /// Node `name`'s GPU state, if the cache has the node.
@@ -196,8 +211,7 @@ impl NodeCache {
 /// Scheduled pods, to resolve preemption victims given by UID.
 pub struct PodCache {
     store: Store<Pod>,
-    /// True once the first list has been read (see [`NodeCache`]'s).
-    synced: tokio::sync::watch::Sender<bool>,
+    synced: Synced,
     /// Told of every scheduled pod that is deleted (see [`PodCache::on_delete`]).
     on_delete: OnceLock<Hook<Pod>>,
     _writer: Option<reflector::store::Writer<Pod>>,
@@ -210,7 +224,7 @@ impl PodCache {
         let stream = reflector::reflector(writer, watcher(Api::<Pod>::all(client), config)).default_backoff();
         let cache = Arc::new(PodCache {
             store,
-            synced: tokio::sync::watch::Sender::new(false),
+            synced: Synced::new(false),
             on_delete: OnceLock::new(),
             _writer: None,
         });
@@ -220,7 +234,7 @@ impl PodCache {
             while let Some(event) = stream.next().await {
                 match event {
                     Ok(watcher::Event::InitDone) => {
-                        feed.synced.send_replace(true);
+                        feed.synced.mark();
                     }
                     Ok(watcher::Event::Delete(pod)) => {
                         if let Some(on_delete) = feed.on_delete.get() {
@@ -244,7 +258,7 @@ impl PodCache {
         writer.apply_watcher_event(&watcher::Event::InitDone);
         Arc::new(PodCache {
             store: writer.as_reader(),
-            synced: tokio::sync::watch::Sender::new(true),
+            synced: Synced::new(true),
             on_delete: OnceLock::new(),
             _writer: Some(writer),
         })
@@ -256,14 +270,8 @@ impl PodCache {
     }
 
     /// Whether the first list of pods has been read.
-    pub fn is_synced(&self) -> bool {
-        *self.synced.borrow()
-    }
-
-    /// Waits until the first list of pods has been read.
-    pub async fn wait_synced(&self) {
-        let mut synced = self.synced.subscribe();
-        let _ = synced.wait_for(|s| *s).await;
+    pub fn synced(&self) -> &Synced {
+        &self.synced
     }
 
     /// Pods bound to `node`.
@@ -444,14 +452,14 @@ mod tests {
                 .expect("node")
         };
         let cache = NodeCache::from_nodes([]);
-        assert!(cache.is_synced(), "a hand-fed cache has had its list");
+        assert!(cache.synced().done(), "a hand-fed cache has had its list");
         let heard = Arc::new(std::sync::Mutex::new(Vec::new()));
         let log = heard.clone();
         cache.on_update(move |n| log.lock().expect("lock").push(n.resource_version.clone()));
         cache.apply(&watcher::Event::Apply(node("1")));
         cache.apply(&watcher::Event::Apply(node("2")));
         cache.apply(&watcher::Event::Init);
-        assert!(cache.is_synced(), "a relist does not make it unsynced");
+        assert!(cache.synced().done(), "a relist does not make it unsynced");
         cache.apply(&watcher::Event::InitApply(node("3")));
         assert_eq!(*heard.lock().expect("lock"), ["1", "2", "3"]);
     }

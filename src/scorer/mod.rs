@@ -285,9 +285,9 @@ impl Scorer {
     /// pod caches sync, every node looks unknown and bound pods uncounted: answering then would refuse
     /// the first pods everywhere, or double-book GPUs.
     pub fn not_synced(&self) -> Option<&'static str> {
-        if self.nodes.as_ref().is_some_and(|n| !n.is_synced()) {
+        if self.nodes.as_ref().is_some_and(|n| !n.synced().done()) {
             Some("the node cache has not synced with the API server yet")
-        } else if self.pods.as_ref().is_some_and(|p| !p.is_synced()) {
+        } else if self.pods.as_ref().is_some_and(|p| !p.synced().done()) {
             Some("the pod cache has not synced with the API server yet")
         } else {
             None
@@ -298,10 +298,10 @@ impl Scorer {
     pub async fn wait_synced(&self, within: Duration) -> Result<(), &'static str> {
         let both = async {
             if let Some(nodes) = &self.nodes {
-                nodes.wait_synced().await;
+                nodes.synced().wait().await;
             }
             if let Some(pods) = &self.pods {
-                pods.wait_synced().await;
+                pods.synced().wait().await;
             }
         };
         let _ = tokio::time::timeout(within, both).await;
