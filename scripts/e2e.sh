@@ -1,0 +1,202 @@
+#!/usr/bin/env bash
+# The end-to-end suite: gpumem's real binaries on a real Kubernetes (the kit in ../shared/k8s:
+# kube-apiserver, kube-scheduler, a kubelet on containerd; pods really run). Run as root:
+#
+#   sudo scripts/e2e.sh
+#
+# For each kubelet of the kit (the stock 1.24 one, which sends the socket path as HTTP/2 :authority,
+# and the one with the 1.26 `localhost` change) it starts a fresh cluster and sets it up as a user
+# would: the project's RBAC from deploy/manifests/base, the agent and the scorer as their service
+# accounts (tokens from `kubectl create token`), the project's scheduler configuration pointed at the
+# scorer, the shim where the DaemonSet's init container puts it, the agent on a simulated node through
+# the fake NVML, two API-only nodes carrying what an agent publishes. Then it runs the scenarios of
+# tests/e2e/scenarios.sh and prints `N passed, N failed`.
+#
+# Environment: GPUMEM_K8S_KIT (the kit; ../shared/k8s), GPUMEM_E2E_KUBELETS ("stock localhost-authority"),
+# GPUMEM_E2E_OUT (logs; target/e2e), K8S_STATE (the kit's state dir; /tmp/gpumem-e2e),
+# GPUMEM_E2E_SCENARIOS (a space-separated subset of the scenario names, for debugging).
+
+set -uo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+KIT=$(cd "${GPUMEM_K8S_KIT:-$ROOT/../shared/k8s}" 2> /dev/null && pwd) || {
+  echo "error: the Kubernetes kit is not at ${GPUMEM_K8S_KIT:-$ROOT/../shared/k8s} (set GPUMEM_K8S_KIT)" >&2
+  exit 2
+}
+KUBELETS=${GPUMEM_E2E_KUBELETS:-stock localhost-authority}
+OUT=${GPUMEM_E2E_OUT:-$ROOT/target/e2e}
+export K8S_STATE=${K8S_STATE:-/tmp/gpumem-e2e}
+if [ "$(id -u)" != 0 ]; then
+  echo "error: the kit runs a kubelet and containerd: run as root" >&2
+  exit 2
+fi
+
+source "$ROOT/tests/e2e/lib.sh"
+source "$ROOT/tests/e2e/scenarios.sh"
+
+NS=e2e
+REAL_NODE=gpu-node-1
+PROFILE=mixed # 2 x V100-SXM2-32GB joined by NVLink + 2 x T4, two NUMA nodes
+SCORER_ADDR=127.0.0.1:18888
+AGENT_METRICS=127.0.0.1:19400
+PLUGIN_DIR=/var/lib/kubelet/device-plugins
+STATE_DIR=/var/lib/gpumem
+SHIM_DEST=$STATE_DIR/lib # where the DaemonSet's init container installs the shim
+QUIET_PERIOD=30          # seconds a GPU stays unhealthy after its last XID (300 in production)
+BIN=$ROOT/target/debug
+started=$SECONDS
+
+log "building the binaries, the shim and the fake NVML"
+(cd "$ROOT" && cargo build --locked --bin gpumem && cargo build --locked -p gpumem-cuda-shim -p gpumem-fake-cuda -p gpumem-fake-nvml) || exit 1
+
+# The fake NVML, reachable under the name nvml-wrapper loads.
+NVML_DIR=$OUT/nvml
+mkdir -p "$NVML_DIR"
+ln -sf "$BIN/libgpumem_fake_nvml.so" "$NVML_DIR/libnvidia-ml.so.1"
+
+AGENT_PID=""
+SCORER_PID=""
+
+# start_agent: the agent as its DaemonSet runs it, on a simulated node (fake NVML).
+start_agent() {
+  cat > "$RUN_OUT/agent.yaml" <<EOF
+health: {quietPeriodSeconds: $QUIET_PERIOD, probeIntervalSeconds: 1}
+EOF
+  KUBECONFIG=$RUN_OUT/agent.kubeconfig \
+    GPUMEM_FAKE_NVML_PROFILE=$PROFILE GPUMEM_FAKE_NVML_INJECT=$RUN_OUT/nvml-inject.toml \
+    RUST_LOG=info,gpumem=debug \
+    "$BIN/gpumem" agent --config "$RUN_OUT/agent.yaml" --node-name "$REAL_NODE" \
+    --nvml-lib "$NVML_DIR/libnvidia-ml.so.1" --device-plugin-dir "$PLUGIN_DIR" \
+    --state-dir "$STATE_DIR" --shim-path "$SHIM_DEST/libgpumem_cuda.so" \
+    --metrics-listen "$AGENT_METRICS" >> "$RUN_OUT/agent.log" 2>&1 &
+  AGENT_PID=$!
+}
+
+stop_agent() {
+  [ -n "$AGENT_PID" ] || return 0
+  kill -TERM "$AGENT_PID" 2> /dev/null
+  wait "$AGENT_PID" 2> /dev/null
+  AGENT_PID=""
+}
+
+start_scorer() {
+  KUBECONFIG=$RUN_OUT/scorer.kubeconfig RUST_LOG=info,gpumem=debug \
+    "$BIN/gpumem" scorer --listen "$SCORER_ADDR" >> "$RUN_OUT/scorer.log" 2>&1 &
+  SCORER_PID=$!
+}
+
+# stop_scorer: SIGTERM, as Kubernetes stops it; returns the exit status.
+stop_scorer() {
+  [ -n "$SCORER_PID" ] || return 0
+  kill -TERM "$SCORER_PID" 2> /dev/null
+  local status=0
+  wait "$SCORER_PID" 2> /dev/null || status=$?
+  SCORER_PID=""
+  return $status
+}
+
+# service_account_kubeconfig NAME FILE: a kubeconfig with a token of gpumem-system/NAME.
+service_account_kubeconfig() {
+  local token
+  token=$(k -n gpumem-system create token "$1" --duration=2h) || return 1
+  cat > "$2" <<EOF
+apiVersion: v1
+kind: Config
+clusters:
+  - name: kit
+    cluster: {server: "https://127.0.0.1:6443", certificate-authority: "$K8S_STATE/certs/ca.crt"}
+users:
+  - name: $1
+    user: {token: "$token"}
+contexts:
+  - name: $1
+    context: {cluster: kit, user: $1, namespace: gpumem-system}
+current-context: $1
+EOF
+}
+
+# scheduler_config: the project's configuration for the default scheduler (v1beta3: the kit is 1.24),
+# with what differs on this machine: the kubeconfig, no leader election, the scorer's local address.
+scheduler_config() {
+  sed -e 's|^  kubeconfig: .*|  kubeconfig: ${K8S_STATE}/admin.kubeconfig|' \
+    -e 's|^  leaderElect: true|  leaderElect: false|' \
+    -e "s|^  - urlPrefix: .*|  - urlPrefix: http://$SCORER_ADDR|" \
+    "$ROOT/deploy/manifests/default-scheduler/kube-scheduler-config.v1beta3.yaml" > "$RUN_OUT/scheduler.yaml"
+  grep -q "urlPrefix: http://$SCORER_ADDR" "$RUN_OUT/scheduler.yaml" &&
+    grep -q 'leaderElect: false' "$RUN_OUT/scheduler.yaml"
+}
+
+# fake_node_patch PROFILE: labels and annotations an agent publishes for PROFILE (its own code writes them).
+fake_node_patch() {
+  "$BIN/gpumem" inspect --profile "$1" --output json | python3 -c '
+import json, sys
+r = json.load(sys.stdin)
+print(json.dumps({"metadata": {"labels": r["labels"], "annotations": r["annotations"]}}))'
+}
+
+cleanup() {
+  stop_scorer
+  stop_agent
+  [ -z "${RUN_OUT:-}" ] || "$KIT/down.sh" > "$RUN_OUT/down.log" 2>&1
+}
+
+# run_cluster KUBELET_KIND: one fresh cluster with that kubelet, every scenario.
+run_cluster() {
+  KUBELET_KIND=$1
+  RUN_OUT=$OUT/$KUBELET_KIND
+  rm -rf "$RUN_OUT"
+  mkdir -p "$RUN_OUT" "$SHIM_DEST"
+  ADMIN_KUBECONFIG=$K8S_STATE/admin.kubeconfig
+  SCENARIO=setup
+  log "== [$KUBELET_KIND] cluster up (logs: $RUN_OUT, $K8S_STATE/logs)"
+  # A cluster left by an interrupted run would make up.sh refuse to start.
+  "$KIT/down.sh" > /dev/null 2>&1
+  scheduler_config || { bad "scheduler configuration rendered" "see $RUN_OUT/scheduler.yaml"; return; }
+  if ! KUBELET=$KUBELET_KIND SCHEDULER_CONFIG=$RUN_OUT/scheduler.yaml EXTRA_NODES=2 \
+    EXTRA_NODE_TAINT=harness.local/fake-node=true:NoSchedule \
+    EXTRA_NODE_CAPACITY='{"nvidia.com/gpu":"8","nvidia.com/gpu-mem":"655360"}' \
+    "$KIT/up.sh" > "$RUN_OUT/up.log" 2>&1; then
+    bad "the kit's cluster starts" "see $RUN_OUT/up.log"
+    return
+  fi
+  ok "cluster up with the $KUBELET_KIND kubelet"
+
+  # The shim, installed as the init container does: a new file, then a rename.
+  cp "$BIN/libgpumem_cuda.so" "$SHIM_DEST/.libgpumem_cuda.so.new" &&
+    mv -f "$SHIM_DEST/.libgpumem_cuda.so.new" "$SHIM_DEST/libgpumem_cuda.so"
+  rm -f "$RUN_OUT/nvml-inject.toml"
+
+  # The project's own RBAC; the agent and the scorer run as their service accounts.
+  if ! k apply -f "$ROOT/deploy/manifests/base/namespace.yaml" -f "$ROOT/deploy/manifests/base/agent-rbac.yaml" \
+    -f "$ROOT/deploy/manifests/base/scorer-rbac.yaml" -f "$ROOT/deploy/manifests/base/priorityclasses.yaml" \
+    > "$RUN_OUT/rbac.log" 2>&1; then
+    bad "the shipped RBAC applies" "$(cat "$RUN_OUT/rbac.log")"
+    return
+  fi
+  service_account_kubeconfig gpumem-agent "$RUN_OUT/agent.kubeconfig" &&
+    service_account_kubeconfig gpumem-scorer "$RUN_OUT/scorer.kubeconfig" ||
+    { bad "service account tokens" ""; return; }
+  k create namespace "$NS" > /dev/null
+
+  # API-only nodes with what an agent on an A100 and on a T4 node publishes.
+  k patch node gpu-node-2 --type merge -p "$(fake_node_patch dgx-a100)" > /dev/null &&
+    k patch node gpu-node-3 --type merge -p "$(fake_node_patch t4x4)" > /dev/null ||
+    bad "fake nodes annotated" ""
+
+  start_scorer
+  start_agent
+  for s in ${GPUMEM_E2E_SCENARIOS:-$ALL_SCENARIOS}; do
+    "scenario_$s"
+  done
+  cleanup
+}
+
+trap 'exit 130' INT TERM
+trap cleanup EXIT
+for kind in $KUBELETS; do
+  run_cluster "$kind"
+done
+
+log "e2e finished in $((SECONDS - started)) s (logs: $OUT)"
+for f in "${FAILURES[@]}"; do log "failed: $f"; done
+echo "e2e: $PASSED passed, $FAILED failed"
+[ "$FAILED" == 0 ]

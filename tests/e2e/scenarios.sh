@@ -1,0 +1,305 @@
+# The scenarios of the end-to-end suite (sourced by scripts/e2e.sh, helpers in lib.sh). Each starts from
+# an idle real node and leaves it idle. The real node serves the `mixed` profile: GPUs 0 and 1 are
+# V100-SXM2-32GB (32768 MiB) joined by NVLink, GPUs 2 and 3 are T4 (15360 MiB); 1 unit = 1 MiB.
+
+ALL_SCENARIOS="registration canonical_quantities fragmentation whole_gpus xid multi_node agent_restart \
+kubelet_restart scorer_restart overlays"
+
+V100_MIB=32768
+T4_MIB=15360
+ALL_MIB=$((2 * V100_MIB + 2 * T4_MIB))
+
+# The node is idle again: no allocation in the usage annotation, everything allocatable.
+wait_idle() {
+  eventually "node idle again" 60 node_idle "$REAL_NODE"
+  eventually "all GPUs allocatable again" 30 node_alloc_is "$REAL_NODE" nvidia.com/gpu 4
+  eventually "all GPU memory allocatable again" 30 node_alloc_is "$REAL_NODE" nvidia.com/gpu-mem "$ALL_MIB"
+}
+
+# check_gpu_pod POD MIB: the pod runs on ONE GPU, the one the scorer chose, with its limit.
+check_gpu_pod() {
+  local pod=$1 mib=$2 assigned visible
+  assigned=$(pod_assigned "$pod")
+  visible=$(pod_env "$pod" NVIDIA_VISIBLE_DEVICES)
+  if [[ -n "$assigned" && "$assigned" != *,* ]]; then ok "$pod: one GPU assigned"; else bad "$pod: one GPU assigned" "'$assigned'"; fi
+  if [[ -n "$assigned" && "$visible" == "$assigned" ]]; then
+    ok "$pod: NVIDIA_VISIBLE_DEVICES is the scorer's choice"
+  else
+    bad "$pod: NVIDIA_VISIBLE_DEVICES is the scorer's choice" "assigned '$assigned', visible '$visible'"
+  fi
+  expect_eq "$pod: GPUMEM_LIMIT_MIB" "$mib" "$(pod_env "$pod" GPUMEM_LIMIT_MIB)"
+  expect_eq "$pod: the shim is preloaded" /usr/local/gpumem/libgpumem_cuda.so \
+    "$(kn exec "$pod" -- cat /etc/ld.so.preload 2> /dev/null | tr -d '\n')"
+  if kn exec "$pod" -- test -s /usr/local/gpumem/libgpumem_cuda.so; then ok "$pod: the shim is mounted"; else bad "$pod: the shim is mounted"; fi
+  expect_eq "$pod: the usage annotation lists it on that GPU" True \
+    "$(gpu_query "$REAL_NODE" "'$NS/$pod' in [u for u in usage if u['index'] == by_uuid.get('$assigned', {}).get('index')][0]['pods']" 2> /dev/null)"
+}
+
+scenario_registration() {
+  scenario "registration: both resources, with this kubelet"
+  eventually "allocatable nvidia.com/gpu = 4" 90 node_alloc_is "$REAL_NODE" nvidia.com/gpu 4
+  eventually "allocatable nvidia.com/gpu-mem = $ALL_MIB" 30 node_alloc_is "$REAL_NODE" nvidia.com/gpu-mem "$ALL_MIB"
+  local described
+  described=$(k describe node "$REAL_NODE")
+  # Capacity and Allocatable each list both resources.
+  expect_eq "kubectl describe node: nvidia.com/gpu under Capacity and Allocatable" 2 \
+    "$(grep -cE '^\s+nvidia.com/gpu:\s+4$' <<< "$described")"
+  expect_eq "kubectl describe node: nvidia.com/gpu-mem under Capacity and Allocatable" 2 \
+    "$(grep -cE "^\s+nvidia.com/gpu-mem:\s+$ALL_MIB\$" <<< "$described")"
+  expect_contains "labels: the GPU product" "nvidia.com/gpu.product=" "$described"
+  expect_eq "topology annotation: 4 GPUs, 0 and 1 NVLinked" "4 1" \
+    "$(gpu_query "$REAL_NODE" "(len(topo), [p['index'] for p in topo[0]['nvlinkPeers']][0])")"
+  if grep -q 'RST_STREAM\|PROTOCOL_ERROR' "$K8S_STATE/logs/kubelet.log"; then
+    bad "the kubelet's calls to the plugin succeed" "$(grep -m1 'RST_STREAM\|PROTOCOL_ERROR' "$K8S_STATE/logs/kubelet.log")"
+  else
+    ok "the kubelet's calls to the plugin succeed (no RST_STREAM in its log)"
+  fi
+  eventually "scorer ready (/readyz)" 30 curl -sf "http://$SCORER_ADDR/readyz"
+  expect_contains "agent metrics: both plugins registered" 'gpumem_plugin_registered{resource="nvidia.com/gpu-mem"} 1' \
+    "$(curl -s "http://$AGENT_METRICS/metrics")"
+}
+
+scenario_canonical_quantities() {
+  scenario "gpu-mem pods whose requests the API server stores as 5k, 12k, 5001"
+  new_pod q5k nvidia.com/gpu-mem 5000
+  new_pod q12k nvidia.com/gpu-mem 12000
+  new_pod q5001 nvidia.com/gpu-mem 5001
+  local pod stored
+  for pod in q5k q12k q5001; do
+    stored=$(pod_field "$pod" '.spec.containers[0].resources.limits.nvidia\.com/gpu-mem')
+    expect_eq "$pod: stored as" "${pod#q}" "$stored"
+  done
+  for pod in q5k q12k q5001; do eventually "$pod runs" 60 is_running "$pod"; done
+  check_gpu_pod q5k 5000
+  check_gpu_pod q12k 12000
+  check_gpu_pod q5001 5001
+  if node_within_capacity "$REAL_NODE"; then ok "no GPU over capacity"; else bad "no GPU over capacity" "$(gpu_allocated "$REAL_NODE")"; fi
+  expect_eq "allocated MiB in total" 22001 "$(gpu_query "$REAL_NODE" "sum(u['allocatedMiB'] for u in usage)")"
+  delete_pods q5k q12k q5001
+  wait_idle
+}
+
+scenario_fragmentation() {
+  scenario "a pod that fits the node's sum but no single GPU"
+  new_pod big-a nvidia.com/gpu-mem 30000
+  new_pod big-b nvidia.com/gpu-mem 30000
+  eventually "a 30000 MiB pod runs" 60 is_running big-a
+  eventually "a second 30000 MiB pod runs" 30 is_running big-b
+  new_pod mid-a nvidia.com/gpu-mem 12000
+  new_pod mid-b nvidia.com/gpu-mem 12000
+  eventually "a 12000 MiB pod runs" 60 is_running mid-a
+  eventually "a second 12000 MiB pod runs" 30 is_running mid-b
+  eventually "one pod per GPU" 10 allocated_is "30000 30000 12000 12000"
+  # 12256 MiB free in all, at most 3360 on one GPU.
+  new_pod frag nvidia.com/gpu-mem 5000
+  eventually "the 5000 MiB pod is refused with the extender's reason" 60 has_event frag "largest free GPU has 3360 MiB"
+  expect_eq "it stays Pending, unbound" "Pending/" "$(pod_phase frag)/$(pod_node frag)"
+  local freed
+  freed=$(pod_assigned mid-b)
+  delete_pods mid-b
+  eventually "once a GPU is freed the pod runs" 90 is_running frag
+  expect_eq "on the freed GPU" "$freed" "$(pod_assigned frag)"
+  expect_eq "frag: NVIDIA_VISIBLE_DEVICES" "$freed" "$(pod_env frag NVIDIA_VISIBLE_DEVICES)"
+  delete_pods big-a big-b mid-a frag
+  wait_idle
+}
+
+scenario_whole_gpus() {
+  scenario "whole GPUs by topology; whole and shared use exclude each other"
+  new_pod pair nvidia.com/gpu 2 '{"gpumem.io/gpu-topology-policy": "nvlink"}'
+  eventually "2 NVLinked GPUs: runs" 60 is_running pair
+  local v0 v1 visible
+  v0=$(gpu_uuid "$REAL_NODE" 0)
+  v1=$(gpu_uuid "$REAL_NODE" 1)
+  visible=$(pod_env pair NVIDIA_VISIBLE_DEVICES | tr ',' '\n' | sort | tr '\n' ' ')
+  expect_eq "the NVLink pair (GPUs 0 and 1)" "$(printf '%s\n' "$v0" "$v1" | sort | tr '\n' ' ')" "$visible"
+  new_pod big nvidia.com/gpu-mem 20000
+  eventually "20000 MiB does not fit what is left (T4s)" 60 has_event big FailedScheduling
+  new_pod shared nvidia.com/gpu-mem 5000
+  eventually "5000 MiB runs" 60 is_running shared
+  local shared_gpu
+  shared_gpu=$(gpu_index "$REAL_NODE" "$(pod_env shared NVIDIA_VISIBLE_DEVICES)")
+  if [[ "$shared_gpu" == 2 || "$shared_gpu" == 3 ]]; then ok "shared pod on a T4, not on the whole pair"; else bad "shared pod on a T4" "GPU $shared_gpu"; fi
+  new_pod one nvidia.com/gpu 1
+  eventually "one whole GPU runs" 60 is_running one
+  local one_gpu
+  one_gpu=$(gpu_index "$REAL_NODE" "$(pod_env one NVIDIA_VISIBLE_DEVICES)")
+  expect_eq "the whole GPU is the other T4" "$((5 - shared_gpu))" "$one_gpu"
+  new_pod none nvidia.com/gpu 1
+  eventually "no whole GPU left: Pending with a reason" 60 has_event none FailedScheduling
+  expect_eq "usage modes" "whole whole shared whole" \
+    "$(gpu_query "$REAL_NODE" "[u['mode'] for u in sorted(usage, key=lambda u: u['index'])][:2] + [u['mode'] for u in sorted(usage, key=lambda u: u['index']) if u['index'] == $shared_gpu] + [u['mode'] for u in usage if u['index'] == $one_gpu]")"
+  delete_pods pair big shared one none
+  wait_idle
+}
+
+# inject_nvml TOML: the fake NVML's fault file, written atomically.
+inject_nvml() {
+  printf '%s\n' "$1" > "$RUN_OUT/nvml-inject.toml.new"
+  mv -f "$RUN_OUT/nvml-inject.toml.new" "$RUN_OUT/nvml-inject.toml"
+}
+
+# scorer_calls VERB: how many VERB requests the scorer has answered (its own metrics).
+scorer_calls() {
+  local n
+  n=$(curl -s "http://$SCORER_ADDR/metrics" | sed -n "s/^gpumem_scorer_request_duration_seconds_count{verb=\"$1\"} //p")
+  echo "${n:-0}"
+}
+
+allocated_is() { [ "$(gpu_allocated "$REAL_NODE")" == "$1" ]; }
+registrations() { grep -c 'registered with the kubelet' "$RUN_OUT/agent.log"; }
+registered_since() { [ "$(registrations)" -ge $(($1 + 2)) ]; }
+
+gpu_is() { [ "$(gpu_health "$REAL_NODE" "$1")" == "$2" ]; }
+
+scenario_xid() {
+  scenario "a GPU fails (XID 48), is avoided, and comes back after the quiet period"
+  inject_nvml '[[xid]]
+gpu = 3
+xid = 48'
+  eventually "topology annotation: GPU 3 Unhealthy" 15 gpu_is 3 Unhealthy
+  new_pod x-a nvidia.com/gpu-mem 12000 '{"gpumem.io/gpu-models": "Tesla T4"}'
+  eventually "a T4 pod runs on the healthy T4" 60 is_running x-a
+  expect_eq "x-a: on GPU 2" 2 "$(gpu_index "$REAL_NODE" "$(pod_assigned x-a)")"
+  new_pod x-b nvidia.com/gpu-mem 12000 '{"gpumem.io/gpu-models": "Tesla T4"}'
+  eventually "a second T4 pod is refused while GPU 3 is sick" 30 has_event x-b FailedScheduling
+  eventually "allocatable nvidia.com/gpu drops to 2 (GPU 3 sick, GPU 2 shared)" 30 node_alloc_is "$REAL_NODE" nvidia.com/gpu 2
+  eventually "allocatable nvidia.com/gpu-mem drops by one T4" 15 node_alloc_is "$REAL_NODE" nvidia.com/gpu-mem "$((ALL_MIB - T4_MIB))"
+  eventually "after the quiet period GPU 3 is Healthy" 60 gpu_is 3 Healthy
+  eventually "allocatable nvidia.com/gpu-mem back" 30 node_alloc_is "$REAL_NODE" nvidia.com/gpu-mem "$ALL_MIB"
+  eventually "the waiting pod runs, on GPU 3" 90 is_running x-b
+  expect_eq "x-b: on GPU 3" 3 "$(gpu_index "$REAL_NODE" "$(pod_assigned x-b)")"
+  inject_nvml ''
+  delete_pods x-a x-b
+  wait_idle
+}
+
+scenario_multi_node() {
+  scenario "several nodes: kube-scheduler asks the scorer to filter and prioritize across them"
+  # gpu-node-2: 8 x A100-SXM4-80GB (NVSwitch); gpu-node-3: 4 x T4; both API-only, annotated by the
+  # agent's own code (gpumem inspect --output json).
+  new_pod f-big nvidia.com/gpu-mem 40000 '{}' fake
+  eventually "40000 MiB: bound" 30 is_bound f-big
+  expect_eq "40000 MiB: only an A100 holds it" gpu-node-2 "$(pod_node f-big)"
+  new_pod f-t4 nvidia.com/gpu-mem 8000 '{"gpumem.io/gpu-models": "Tesla T4"}' fake
+  eventually "a T4-only pod: bound" 30 is_bound f-t4
+  expect_eq "a T4-only pod: on the T4 node" gpu-node-3 "$(pod_node f-t4)"
+  new_pod f-four nvidia.com/gpu 4 '{"gpumem.io/gpu-topology-policy": "nvlink"}' fake
+  eventually "4 NVLinked GPUs: bound" 30 is_bound f-four
+  expect_eq "4 NVLinked GPUs: on the NVSwitch node" gpu-node-2 "$(pod_node f-four)"
+  local assigned
+  assigned=$(pod_assigned f-four)
+  expect_eq "4 NVLinked GPUs: 4 GPUs of that node, not the shared one" 4 \
+    "$(gpu_query gpu-node-2 "len([u for u in '$assigned'.split(',') if u in by_uuid and u != '$(pod_assigned f-big)'])")"
+  # Fits both nodes: kube-scheduler asks the scorer to rank them.
+  local prioritized
+  prioritized=$(scorer_calls prioritize)
+  new_pod f-any nvidia.com/gpu-mem 8000 '{}' fake
+  eventually "8000 MiB (fits on both nodes): bound" 30 is_bound f-any
+  if [ "$(scorer_calls prioritize)" -gt "$prioritized" ]; then
+    ok "kube-scheduler asked the scorer to prioritize"
+  else
+    bad "kube-scheduler asked the scorer to prioritize" "prioritize calls: $(scorer_calls prioritize)"
+  fi
+  expect_eq "8000 MiB: on a GPU of the node it is bound to" True \
+    "$(gpu_query "$(pod_node f-any)" "'$(pod_assigned f-any)' in by_uuid")"
+  new_pod f-none nvidia.com/gpu-mem 90000 '{}' fake
+  eventually "90000 MiB fits no GPU anywhere: refused" 30 has_event f-none FailedScheduling
+  expect_contains "the event gives the scorer's reason" "largest free GPU has" "$(pod_events f-none)"
+  delete_fake_pods f-big f-t4 f-four f-any f-none
+}
+
+scenario_agent_restart() {
+  scenario "the agent restarts with pods running: nothing is double-booked"
+  new_pod r-pair nvidia.com/gpu 2 '{"gpumem.io/gpu-topology-policy": "nvlink"}'
+  new_pod r-a nvidia.com/gpu-mem 12000
+  eventually "a whole-GPU pair runs" 60 is_running r-pair
+  eventually "a 12000 MiB pod runs" 60 is_running r-a
+  local before registrations
+  before=$(gpu_allocated "$REAL_NODE")
+  registrations=$(registrations)
+  stop_agent
+  # What the agent published is gone too: the new one must rebuild it from the kubelet.
+  k annotate node "$REAL_NODE" gpumem.io/gpu-usage- > /dev/null
+  start_agent
+  eventually "the agent registers both plugins again" 60 registered_since "$registrations"
+  eventually "the usage annotation is rebuilt as it was" 30 allocated_is "$before"
+  new_pod r-b nvidia.com/gpu-mem 12000
+  eventually "a new 12000 MiB pod runs" 60 is_running r-b
+  expect_ne "on the other T4" "$(pod_assigned r-a)" "$(pod_assigned r-b)"
+  check_gpu_pod r-b 12000
+  if node_within_capacity "$REAL_NODE"; then ok "no GPU over capacity"; else bad "no GPU over capacity" "$(gpu_allocated "$REAL_NODE")"; fi
+  new_pod r-w nvidia.com/gpu 1
+  eventually "no whole GPU left: refused" 60 has_event r-w FailedScheduling
+  delete_pods r-pair r-a r-b r-w
+  wait_idle
+}
+
+scenario_kubelet_restart() {
+  scenario "the kubelet restarts: the plugins register again, pods keep running"
+  new_pod k-a nvidia.com/gpu-mem 5000
+  eventually "a pod runs" 60 is_running k-a
+  local gpus mem registrations
+  eventually "allocatable reflects it" 30 node_alloc_is "$REAL_NODE" nvidia.com/gpu 3
+  gpus=$(node_alloc "$REAL_NODE" nvidia.com/gpu)
+  mem=$(node_alloc "$REAL_NODE" nvidia.com/gpu-mem)
+  registrations=$(registrations)
+  if "$KIT/restart-kubelet.sh" >> "$RUN_OUT/restart-kubelet.log" 2>&1; then ok "kubelet restarted"; else bad "kubelet restarted"; fi
+  eventually "the agent registers both plugins again" 30 registered_since "$registrations"
+  eventually "allocatable nvidia.com/gpu back" 60 node_alloc_is "$REAL_NODE" nvidia.com/gpu "$gpus"
+  eventually "allocatable nvidia.com/gpu-mem back" 30 node_alloc_is "$REAL_NODE" nvidia.com/gpu-mem "$mem"
+  expect_eq "the pod kept running, never restarted" "Running 0" "$(pod_phase k-a) $(pod_field k-a '.status.containerStatuses[0].restartCount')"
+  new_pod k-b nvidia.com/gpu-mem 5000
+  eventually "a new pod runs" 60 is_running k-b
+  check_gpu_pod k-b 5000
+  delete_pods k-a k-b
+  wait_idle
+}
+
+scenario_scorer_restart() {
+  scenario "the scorer restarts (SIGTERM) and rebuilds its picture from the API"
+  new_pod s-a nvidia.com/gpu-mem 30000
+  eventually "a 30000 MiB pod runs" 60 is_running s-a
+  local t0=$SECONDS status=0
+  stop_scorer || status=$?
+  expect_eq "the scorer exits 0 on SIGTERM" 0 "$status"
+  if [ $((SECONDS - t0)) -le 5 ]; then ok "promptly"; else bad "promptly" "$((SECONDS - t0)) s"; fi
+  start_scorer
+  # The moment it serves, before its caches can have synced, a pod arrives.
+  eventually "the new scorer serves (/healthz)" 30 curl -sf "http://$SCORER_ADDR/healthz"
+  new_pod s-b nvidia.com/gpu-mem 30000
+  eventually "a second 30000 MiB pod runs" 60 is_running s-b
+  expect_ne "on the other V100: the new scorer knows the first" "$(pod_assigned s-a)" "$(pod_assigned s-b)"
+  if has_event s-b FailedScheduling; then bad "it was never refused" "$(pod_events s-b | grep FailedScheduling)"; else ok "it was never refused"; fi
+  delete_pods s-a s-b
+  wait_idle
+}
+
+scenario_overlays() {
+  scenario "every kustomize overlay: kubectl apply --dry-run=server -k"
+  # The monitoring component needs the Prometheus Operator's CRDs, as in a cluster that has it.
+  k apply -f "$ROOT/tests/e2e/prometheus-operator-crds.yaml" > /dev/null
+  eventually "Prometheus Operator CRDs established" 30 \
+    k wait --for condition=established --timeout=1s crd/servicemonitors.monitoring.coreos.com crd/podmonitors.monitoring.coreos.com crd/prometheusrules.monitoring.coreos.com
+  local overlay out dir
+  for overlay in "$ROOT"/deploy/manifests/overlays/*/; do
+    dir=$overlay
+    if [ "$(basename "$overlay")" == default-scheduler ]; then
+      # Its fixed ClusterIP lies in kubeadm's service range; here the range is 10.0.0.0/24, so the
+      # Service's address changes as docs/install.md tells a user to.
+      dir=$RUN_OUT/overlay-default-scheduler
+      mkdir -p "$dir"
+      cat > "$dir/kustomization.yaml" <<EOF
+resources: ["$(realpath --relative-to="$dir" "$overlay")"]
+patches:
+  - target: {kind: Service, name: gpumem-scorer}
+    patch: '[{"op": "replace", "path": "/spec/clusterIP", "value": "10.0.0.80"}]'
+EOF
+    fi
+    if out=$(k apply --dry-run=server -k "$dir" 2>&1); then
+      ok "overlay $(basename "$overlay") ($(echo "$out" | wc -l) objects)"
+    else
+      bad "overlay $(basename "$overlay")" "$out"
+    fi
+  done
+}
