@@ -7,9 +7,10 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use gpumem::node::ROOM_FREED_LABEL as ROOM_FREED;
 use gpumem::plugin::proto::v1beta1::Device;
 use support::InjectFile;
-use support::apiserver::{FakeApiServer, metadata_maps, pod_with_choice};
+use support::apiserver::{FakeApiServer, Recorded, metadata_maps, pod_with_choice};
 use support::kubelet::{FakeKubelet, FakePodResources};
 
 const GPU: &str = "nvidia.com/gpu";
@@ -601,6 +602,48 @@ async fn the_node_shows_its_gpus_and_their_use_through_outages() {
     assert!(
         api.failures_left() < 3,
         "writes were refused during the outage, and the Node caught up after it"
+    );
+
+    // Room that frees on a GPU still shared changes a label (kube-scheduler retries waiting pods on label
+    // changes, not on annotation changes); more use does not.
+    let freed_at = |applied: &Recorded| metadata_maps(applied).0.get(ROOM_FREED).cloned();
+    assert!(freed_at(&first).is_some(), "set at start");
+    node.pods
+        .add_container("team", "a", "c", MEM, &refs(&units(1, 0..3)));
+    node.pods
+        .add_container("team", "b", "c", MEM, &refs(&units(1, 3..5)));
+    let busy = api
+        .wait_for("both pods on GPU 1", WAIT, |api| {
+            let last = api.node_applies("node-a").pop()?;
+            let usage =
+                gpumem::node::UsageAnnotation::parse(metadata_maps(&last).1.get("gpumem.io/gpu-usage")?)
+                    .ok()?;
+            (usage.gpus[1].pods.len() == 2).then_some(last)
+        })
+        .await;
+    let before = freed_at(&busy);
+    node.pods.remove_pod("team", "b");
+    let after = api
+        .wait_for("GPU 1 with room again", WAIT, |api| {
+            let last = api.node_applies("node-a").pop()?;
+            let usage =
+                gpumem::node::UsageAnnotation::parse(metadata_maps(&last).1.get("gpumem.io/gpu-usage")?)
+                    .ok()?;
+            (usage.gpus[1].allocated_mib == 3072).then_some(last)
+        })
+        .await;
+    assert_eq!(
+        gpumem::node::UsageAnnotation::parse(&metadata_maps(&after).1["gpumem.io/gpu-usage"])
+            .unwrap()
+            .gpus[1]
+            .mode,
+        gpumem::node::GpuMode::Shared,
+        "the GPU is still shared"
+    );
+    assert!(
+        freed_at(&after).is_some() && freed_at(&after) != before,
+        "{before:?} -> {:?}",
+        freed_at(&after)
     );
     // Only its own Node, only labels and annotations.
     for applied in api.node_applies("node-a") {

@@ -13,7 +13,10 @@ use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::{Api, Client};
 
 use super::state::NodeState;
-use crate::node::{self, ASSIGNED_AT_ANNOTATION, ASSIGNED_GPUS_ANNOTATION, TopologyAnnotation};
+use crate::node::{
+    self, ASSIGNED_AT_ANNOTATION, ASSIGNED_GPUS_ANNOTATION, ROOM_FREED_LABEL, TopologyAnnotation,
+    UsageAnnotation,
+};
 use crate::quantity::Quantity;
 
 /// The field manager of everything the agent writes: it owns these labels and annotations, and
@@ -96,19 +99,30 @@ impl Cluster {
 
     /// Keeps the Node's labels and annotations equal to the agent's picture, until the process ends.
     pub async fn publish(self: Arc<Self>, state: Arc<NodeState>) {
-        let labels = node::labels(&state.inventory, state.unit_mib);
+        let mut labels = node::labels(&state.inventory, state.unit_mib);
         let mut changes = state.subscribe_usage();
-        let mut written: Option<BTreeMap<String, String>> = None;
+        // What was last written, and the picture it came from (to tell when room grew).
+        let mut written: Option<(BTreeMap<String, String>, BTreeMap<String, String>)> = None;
+        let mut picture: Option<(TopologyAnnotation, UsageAnnotation)> = None;
         let mut backoff = Duration::from_secs(1);
         loop {
             changes.mark_unchanged();
             let topology = TopologyAnnotation::new(&state.inventory, state.unit_mib, |a| state.is_healthy(a));
-            let annotations = node::annotations(&topology, &state.usage());
-            if written.as_ref() != Some(&annotations) {
+            let usage = state.usage();
+            // At start room may have grown while the agent was away: the first picture counts as grown.
+            let grew = picture
+                .as_ref()
+                .is_none_or(|(t, u)| node::room_grew((t, u), (&topology, &usage)));
+            if grew {
+                labels.insert(ROOM_FREED_LABEL.into(), unix_millis().to_string());
+            }
+            let annotations = node::annotations(&topology, &usage);
+            picture = Some((topology, usage));
+            if written.as_ref().map(|(l, a)| (l, a)) != Some((&labels, &annotations)) {
                 match self.apply(&labels, &annotations).await {
                     Ok(()) => {
-                        tracing::debug!(node = %self.node, "published GPU labels and annotations");
-                        written = Some(annotations);
+                        tracing::debug!(node = %self.node, room_grew = grew, "published GPU labels and annotations");
+                        written = Some((labels.clone(), annotations));
                         backoff = Duration::from_secs(1);
                     }
                     Err(err) => {
@@ -168,6 +182,13 @@ impl Cluster {
         candidates.sort();
         candidates.into_iter().next().map(|(_, gpu)| gpu)
     }
+}
+
+/// Milliseconds since the Unix epoch (0 if the clock is before it).
+fn unix_millis() -> u128 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis())
 }
 
 /// The whole number of `resource` units a container asks for (limits, as for any extended resource),

@@ -19,6 +19,11 @@ pub const USAGE_ANNOTATION: &str = "gpumem.io/gpu-usage";
 pub const ASSIGNED_GPUS_ANNOTATION: &str = "gpumem.io/assigned-gpus";
 /// On a pod: when the scorer made that choice (RFC 3339); old choices expire.
 pub const ASSIGNED_AT_ANNOTATION: &str = "gpumem.io/assigned-at";
+/// When a GPU of the node last gained room: less memory allocated, no longer held whole, or healthy
+/// again (Unix milliseconds). A label, not an annotation, because kube-scheduler retries the pods it could
+/// not place when a node's labels change, and not when only its annotations do: without it a pod waiting
+/// for memory that frees on a GPU still shared would wait for the scheduler's periodic retry (minutes).
+pub const ROOM_FREED_LABEL: &str = "gpumem.io/room-freed-at";
 /// The schema version both annotations carry; a reader refuses any other.
 pub const ANNOTATION_VERSION: u32 = 1;
 
@@ -197,6 +202,28 @@ pub struct GpuUsage {
     pub mode: GpuMode,
     /// `namespace/name` of each pod with an allocation here.
     pub pods: Vec<String>,
+}
+
+/// Whether the GPUs described by `after` have room those of `before` lacked: a GPU with less allocated, one
+/// no longer held whole, one healthy again, or one not there before (see [`ROOM_FREED_LABEL`]).
+pub fn room_grew(
+    before: (&TopologyAnnotation, &UsageAnnotation),
+    after: (&TopologyAnnotation, &UsageAnnotation),
+) -> bool {
+    let healthy = |t: &TopologyAnnotation, index: u32| {
+        t.gpus
+            .iter()
+            .find(|g| g.index == index)
+            .is_some_and(|g| g.health == Health::Healthy)
+    };
+    after.1.gpus.iter().any(|now| {
+        let Some(was) = before.1.gpus.iter().find(|g| g.index == now.index) else {
+            return true;
+        };
+        now.allocated_mib < was.allocated_mib
+            || (was.mode == GpuMode::Whole && now.mode != GpuMode::Whole)
+            || (healthy(after.0, now.index) && !healthy(before.0, now.index))
+    })
 }
 
 impl TopologyAnnotation {
@@ -411,5 +438,49 @@ mod tests {
             TopologyAnnotation::parse(twice),
             Err(AnnotationError::Invalid { .. })
         ));
+    }
+
+    #[test]
+    fn room_grows_when_memory_frees_a_whole_gpu_ends_or_a_gpu_recovers() {
+        let inv = inventory("t4x4");
+        let healthy = TopologyAnnotation::new(&inv, 1, |_| true);
+        let sick = TopologyAnnotation::new(&inv, 1, |a| a != 2);
+        let idle = UsageAnnotation::idle(&inv);
+        let mut shared = idle.clone();
+        shared.gpus[1].allocated_mib = 9000;
+        shared.gpus[1].mode = GpuMode::Shared;
+        let mut more = shared.clone();
+        more.gpus[1].allocated_mib = 12400;
+        let mut whole = idle.clone();
+        whole.gpus[0].allocated_mib = whole.gpus[0].allocated_mib.max(15360);
+        whole.gpus[0].mode = GpuMode::Whole;
+
+        assert!(
+            !room_grew((&healthy, &idle), (&healthy, &idle)),
+            "nothing changed"
+        );
+        assert!(
+            !room_grew((&healthy, &shared), (&healthy, &more)),
+            "more allocated"
+        );
+        assert!(
+            room_grew((&healthy, &more), (&healthy, &shared)),
+            "memory freed on a GPU still shared"
+        );
+        assert!(
+            room_grew((&healthy, &whole), (&healthy, &idle)),
+            "a whole GPU given back"
+        );
+        assert!(!room_grew((&healthy, &idle), (&sick, &idle)), "a GPU turned sick");
+        assert!(
+            room_grew((&sick, &idle), (&healthy, &idle)),
+            "a GPU healthy again"
+        );
+        let mut fewer = idle.clone();
+        fewer.gpus.pop();
+        assert!(
+            room_grew((&healthy, &fewer), (&healthy, &idle)),
+            "a GPU that was not there"
+        );
     }
 }
