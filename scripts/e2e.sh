@@ -14,7 +14,8 @@
 #
 # Environment: GPUMEM_K8S_KIT (the kit; ../shared/k8s), GPUMEM_E2E_KUBELETS ("stock localhost-authority"),
 # GPUMEM_E2E_OUT (logs; target/e2e), K8S_STATE (the kit's state dir; /tmp/gpumem-e2e),
-# GPUMEM_E2E_SCENARIOS (a space-separated subset of the scenario names, for debugging).
+# GPUMEM_E2E_SCENARIOS (a space-separated subset of the scenario names, for debugging), GPUMEM_E2E_KEEP=1
+# (leave the last cluster, agent and scorer running to look around; the kit's down.sh stops the cluster).
 
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -134,6 +135,11 @@ print(json.dumps({"metadata": {"labels": r["labels"], "annotations": r["annotati
 }
 
 cleanup() {
+  if [ "${GPUMEM_E2E_KEEP:-}" == 1 ] && [ -n "${RUN_OUT:-}" ]; then
+    log "kept: the cluster (KUBECONFIG=$ADMIN_KUBECONFIG), agent pid $AGENT_PID, scorer pid $SCORER_PID"
+    AGENT_PID="" SCORER_PID="" RUN_OUT=""
+    return
+  fi
   stop_scorer
   stop_agent
   [ -z "${RUN_OUT:-}" ] || "$KIT/down.sh" > "$RUN_OUT/down.log" 2>&1
@@ -149,6 +155,7 @@ run_cluster() {
   SCENARIO=setup
   log "== [$KUBELET_KIND] cluster up (logs: $RUN_OUT, $K8S_STATE/logs)"
   # A cluster left by an interrupted run would make up.sh refuse to start.
+  pkill -f "$BIN/gpumem (agent|scorer)" # left by a run with GPUMEM_E2E_KEEP=1
   "$KIT/down.sh" > /dev/null 2>&1
   scheduler_config || { bad "scheduler configuration rendered" "see $RUN_OUT/scheduler.yaml"; return; }
   if ! KUBELET=$KUBELET_KIND SCHEDULER_CONFIG=$RUN_OUT/scheduler.yaml EXTRA_NODES=2 \
