@@ -11,7 +11,7 @@ use gpumem::node::ROOM_FREED_LABEL as ROOM_FREED;
 use gpumem::plugin::proto::v1beta1::Device;
 use support::InjectFile;
 use support::apiserver::{FakeApiServer, Recorded, metadata_maps, pod_with_choice};
-use support::kubelet::{FakeKubelet, FakePodResources};
+use support::kubelet::{Authority, FakeKubelet, FakePodResources};
 
 const GPU: &str = "nvidia.com/gpu";
 const MEM: &str = "nvidia.com/gpu-mem";
@@ -97,9 +97,14 @@ struct Node {
 }
 
 impl Node {
+    /// A node whose kubelet is older than 1.26 (it sends the socket path as `:authority`).
     async fn new() -> Node {
+        Node::with_kubelet(Authority::SocketPath).await
+    }
+
+    async fn with_kubelet(authority: Authority) -> Node {
         let dir = tempfile::Builder::new().prefix("gpm").tempdir_in("/tmp").unwrap();
-        let kubelet = FakeKubelet::start(&dir.path().join("plugins")).await;
+        let kubelet = FakeKubelet::start_with(&dir.path().join("plugins"), authority).await;
         let pods = FakePodResources::start(&dir.path().join("pod-resources.sock")).await;
         let inject = InjectFile::new(dir.path().join("inject.toml"));
         Node {
@@ -172,7 +177,8 @@ async fn registers_both_resources_with_topology_and_preferred_allocation() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn memory_lands_on_one_gpu_best_fit_and_five_never_fits_in_four_plus_four() {
-    let node = Node::new().await;
+    // A kubelet since 1.26 (`localhost` as `:authority`); every other test has an older one.
+    let node = Node::with_kubelet(Authority::Localhost).await;
     // 1024 MiB units: 15 per T4. Pods already hold 10 units of GPU 1 and 11 of GPUs 0 and 3.
     node.pods
         .add_container("team", "a", "c", MEM, &refs(&units(1, 0..10)));

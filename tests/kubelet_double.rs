@@ -24,7 +24,9 @@ use gpumem::plugin::proto::v1beta1::{
 use gpumem::plugin::proto::{HEALTHY, KUBELET_MAX_RECV_BYTES, KUBELET_SOCKET, UNHEALTHY, VERSION};
 use gpumem::plugin::uds;
 use prost::Message as _;
-use support::kubelet::{CHECKPOINT_FILE, FakeKubelet, FakePodResources, is_extended_resource_name};
+use support::kubelet::{
+    Authority, CHECKPOINT_FILE, FakeKubelet, FakePodResources, is_extended_resource_name,
+};
 use tokio::net::UnixListener;
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
@@ -35,6 +37,8 @@ use tonic::{Code, Request, Response, Status};
 const RESOURCE: &str = "example.com/gpu";
 const ENDPOINT: &str = "example-gpu.sock";
 const WAIT: Duration = Duration::from_secs(5);
+/// The plugin here is plain tonic, without `plugin::authority`: only kubelets since 1.26 can call it.
+const KUBELET: Authority = Authority::Localhost;
 
 /// A short directory under /tmp (unix socket paths are limited to 107 bytes).
 fn tempdir() -> tempfile::TempDir {
@@ -246,7 +250,7 @@ async fn eventually(what: &str, condition: impl Fn() -> bool) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn registration_round_trip() {
     let dir = tempdir();
-    let kubelet = FakeKubelet::start(dir.path()).await;
+    let kubelet = FakeKubelet::start_with(dir.path(), KUBELET).await;
     let first_delay = Duration::from_millis(300);
     let plugin = PluginState::new(
         vec![
@@ -353,7 +357,7 @@ async fn registration_round_trip() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn register_rejects_what_the_kubelet_rejects() {
     let dir = tempdir();
-    let kubelet = FakeKubelet::start(dir.path()).await;
+    let kubelet = FakeKubelet::start_with(dir.path(), KUBELET).await;
     let plugin = PluginState::new(vec![device("dev0", HEALTHY)], Duration::ZERO);
     let _server = serve_plugin(&dir.path().join(ENDPOINT), &plugin);
 
@@ -395,7 +399,7 @@ async fn register_rejects_what_the_kubelet_rejects() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn restart_removes_sockets_and_sees_reregistration() {
     let dir = tempdir();
-    let kubelet = FakeKubelet::start(dir.path()).await;
+    let kubelet = FakeKubelet::start_with(dir.path(), KUBELET).await;
     let plugin = PluginState::new(vec![device("dev0", HEALTHY)], Duration::ZERO);
     let plugin_socket = dir.path().join(ENDPOINT);
     let server = serve_plugin(&plugin_socket, &plugin);
@@ -468,7 +472,7 @@ fn list_of_about(target: usize) -> ListAndWatchResponse {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn list_over_4_mib_is_a_stream_error() {
     let dir = tempdir();
-    let kubelet = FakeKubelet::start(dir.path()).await;
+    let kubelet = FakeKubelet::start_with(dir.path(), KUBELET).await;
 
     // Just under the limit: accepted.
     let under = list_of_about(KUBELET_MAX_RECV_BYTES - 1000);
@@ -543,7 +547,7 @@ async fn closed_by_peer(mut stream: std::os::unix::net::UnixStream) -> bool {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn drop_cuts_connections_and_removes_the_socket() {
     let dir = tempdir();
-    let kubelet = FakeKubelet::start(dir.path()).await;
+    let kubelet = FakeKubelet::start_with(dir.path(), KUBELET).await;
     let plugin = PluginState::new(vec![device("dev0", HEALTHY)], Duration::ZERO);
     let _server = serve_plugin(&dir.path().join(ENDPOINT), &plugin);
     register(dir.path(), VERSION, ENDPOINT, RESOURCE)

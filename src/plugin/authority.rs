@@ -5,12 +5,17 @@
 //! unix socket's *path* as `:authority`. h2's server parses that header with
 //! `http::uri::Authority` and resets the stream with PROTOCOL_ERROR when it fails
 //! (hyperium/h2#487), so such a kubelet never gets past `GetDevicePluginOptions` and the node never
-//! shows the resources. [`AuthorityRewrite`] wraps every accepted connection: it follows the
+//! shows the resources. [`AuthorityRewrite::new`] wraps every accepted connection: it follows the
 //! client's frames, HPACK-decodes every header block with a decoder that mirrors the client's
 //! encoder, replaces an invalid `:authority`, and re-encodes the block without the dynamic table
 //! (so h2's decoder state never depends on the client's). Every other byte, and the whole write
 //! side, passes through untouched; a stream that does not start with the HTTP/2 preface is passed
 //! through unchanged, and a header block that does not parse closes the connection with a warning.
+//!
+//! [`AuthorityRewrite::with_authority`] is the same machinery the other way round: wrapped around
+//! a client's bytes it makes an h2 client (which can only send a valid authority) send any
+//! `:authority`, encoded the way grpc-go encodes it. The tests' kubelet double uses it to send the
+//! socket path like a kubelet before 1.26.
 
 use std::io;
 use std::pin::Pin;
@@ -41,6 +46,10 @@ const H2_HEADER_TABLE_SIZE: usize = 4_096;
 const MAX_BLOCK: usize = 1 << 20;
 /// What replaces an `:authority` h2 would reject (what kubelets since 1.26 send).
 const LOCALHOST: &[u8] = b"localhost";
+/// HPACK index of the first dynamic-table entry (RFC 7541 §2.3.3).
+const FIRST_DYNAMIC_INDEX: usize = 62;
+/// HPACK's per-entry overhead in the dynamic table's size (RFC 7541 §4.1).
+const ENTRY_OVERHEAD: usize = 32;
 /// How much is read from the socket at a time.
 const READ_CHUNK: usize = 16 * 1024;
 
@@ -70,10 +79,30 @@ pub struct AuthorityRewrite<IO> {
 }
 
 impl<IO> AuthorityRewrite<IO> {
+    /// Replaces an `:authority` that h2 would reject with `localhost` and leaves a valid one alone:
+    /// what a server wraps around the connections it accepts.
     pub fn new(io: IO) -> Self {
+        Self::with_rule(io, Rule::Repair)
+    }
+
+    /// Replaces every `:authority` with `authority`, whatever the client sent, valid or not (a
+    /// request without one keeps none). As grpc-go does, the first request adds it to the HPACK
+    /// dynamic table and later ones refer to it by index, so the server has to follow the
+    /// client's table to read it. Assumes the server keeps HPACK's default 4 KiB table, as h2 does.
+    pub fn with_authority(io: IO, authority: impl Into<Vec<u8>>) -> Self {
+        Self::with_rule(
+            io,
+            Rule::Replace {
+                authority: authority.into(),
+                in_table: false,
+            },
+        )
+    }
+
+    fn with_rule(io: IO, rule: Rule) -> Self {
         Self {
             io,
-            rewriter: Rewriter::default(),
+            rewriter: Rewriter::new(rule),
             out: Vec::new(),
             pos: 0,
             scratch: vec![0; READ_CHUNK].into_boxed_slice(),
@@ -183,8 +212,18 @@ struct Block {
     fragment: Vec<u8>,
 }
 
+/// What happens to a request's `:authority`.
+enum Rule {
+    /// One h2 would reject becomes `localhost`.
+    Repair,
+    /// Every one becomes `authority`; `in_table` once it is the dynamic table's first entry (it
+    /// stays there: nothing else is ever added).
+    Replace { authority: Vec<u8>, in_table: bool },
+}
+
 /// The client → server byte stream transformation, apart from any I/O.
 pub(crate) struct Rewriter {
+    rule: Rule,
     state: State,
     payload: Vec<u8>,
     block: Option<Block>,
@@ -194,11 +233,12 @@ pub(crate) struct Rewriter {
     logged: bool,
 }
 
-impl Default for Rewriter {
-    fn default() -> Self {
+impl Rewriter {
+    fn new(rule: Rule) -> Self {
         let mut decoder = Decoder::new();
         decoder.set_max_allowed_table_size(H2_HEADER_TABLE_SIZE);
         Self {
+            rule,
             state: State::Preface(0),
             payload: Vec::new(),
             block: None,
@@ -206,9 +246,7 @@ impl Default for Rewriter {
             logged: false,
         }
     }
-}
 
-impl Rewriter {
     /// Consumes all of `input`, appending what h2 should read to `out`. After an error the
     /// stream cannot be followed any more: the caller closes the connection.
     pub(crate) fn feed(&mut self, mut input: &[u8], out: &mut Vec<u8>) -> Result<(), Malformed> {
@@ -392,19 +430,37 @@ impl Rewriter {
         }
         let mut encoded = Vec::with_capacity(block.fragment.len() * 2);
         for (name, value) in &mut headers {
-            if name.as_slice() == b":authority" && http::uri::Authority::try_from(value.as_slice()).is_err() {
-                let original = String::from_utf8_lossy(value).into_owned();
-                if self.logged {
-                    tracing::debug!(stream, original, "rewrote :authority to localhost");
-                } else {
-                    tracing::info!(
-                        stream,
-                        original,
-                        "rewrote an :authority h2 would reject to localhost (kubelets before 1.26 send the socket path)"
-                    );
-                    self.logged = true;
+            if name.as_slice() == b":authority" {
+                match &mut self.rule {
+                    Rule::Repair => {
+                        if http::uri::Authority::try_from(value.as_slice()).is_err() {
+                            self.log_repair(stream, value);
+                            *value = LOCALHOST.to_vec();
+                        }
+                    }
+                    Rule::Replace { authority, in_table } => {
+                        if *in_table {
+                            // Indexed field (RFC 7541 §6.1).
+                            let mut index = encode_integer(FIRST_DYNAMIC_INDEX, 7);
+                            index[0] |= 0x80;
+                            encoded.extend_from_slice(&index);
+                            continue;
+                        }
+                        if authority.len() + ":authority".len() + ENTRY_OVERHEAD <= H2_HEADER_TABLE_SIZE {
+                            // Literal with incremental indexing, name from the static table's
+                            // entry 1 (RFC 7541 §6.2.1): the decoder adds it to its table.
+                            let mut prefix = encode_integer(1, 6);
+                            prefix[0] |= 0x40;
+                            encoded.extend_from_slice(&prefix);
+                            encoded.extend_from_slice(&encode_integer(authority.len(), 7));
+                            encoded.extend_from_slice(authority);
+                            *in_table = true;
+                            continue;
+                        }
+                        // Too large for the table: sent as a literal each time.
+                        value.clone_from(authority);
+                    }
                 }
-                *value = LOCALHOST.to_vec();
             }
             // Literal without indexing, literal name (RFC 7541 §6.2.2): touches no table on either side.
             encoded.push(0x00);
@@ -414,6 +470,21 @@ impl Rewriter {
             }
         }
         Ok(encoded)
+    }
+
+    /// Logs a repaired authority: at info the first time on a connection, then at debug.
+    fn log_repair(&mut self, stream: u32, original: &[u8]) {
+        let original = String::from_utf8_lossy(original).into_owned();
+        if self.logged {
+            tracing::debug!(stream, original, "rewrote :authority to localhost");
+        } else {
+            tracing::info!(
+                stream,
+                original,
+                "rewrote an :authority h2 would reject to localhost (kubelets before 1.26 send the socket path)"
+            );
+            self.logged = true;
+        }
     }
 }
 
@@ -515,7 +586,11 @@ mod tests {
     }
 
     fn run(input: &[u8], chunk: usize) -> Result<Vec<u8>, Malformed> {
-        let mut rewriter = Rewriter::default();
+        run_with(Rule::Repair, input, chunk)
+    }
+
+    fn run_with(rule: Rule, input: &[u8], chunk: usize) -> Result<Vec<u8>, Malformed> {
+        let mut rewriter = Rewriter::new(rule);
         let mut out = Vec::new();
         for piece in input.chunks(chunk) {
             rewriter.feed(piece, &mut out)?;
@@ -802,6 +877,44 @@ mod tests {
                 input.extend(frame(kind, (x >> 16) as u8, (x >> 24) as u32 & 3, &payload));
             }
             let _ = run(&input, 1 + round % 13);
+        }
+    }
+
+    #[test]
+    fn a_set_authority_replaces_any_and_is_indexed_after_the_first_request() {
+        // What an h2 client sends: localhost, the same call from its dynamic table, another host.
+        let second = vec![0x83, 0x86, 0x80 | 64, 0x80 | 63, 0x80 | 62];
+        let input = connection(&[request_block(b"localhost"), second, request_block(b"example.com")]);
+        let replace = |authority: &[u8]| Rule::Replace {
+            authority: authority.to_vec(),
+            in_table: false,
+        };
+        let out = run_with(replace(SOCKET_PATH), &input, 1).unwrap();
+        assert_eq!(out, run_with(replace(SOCKET_PATH), &input, input.len()).unwrap());
+        let blocks: Vec<_> = frames(&out).into_iter().skip(1).map(|f| f.3).collect();
+        // Like grpc-go: added to the table by the first request, referred to by index after.
+        let first = indexed_name(1, SOCKET_PATH);
+        assert!(blocks[0].windows(first.len()).any(|w| w == first));
+        assert!(blocks[1..].iter().all(|b| b.contains(&(0x80 | 62))));
+        // A decoder that follows the table reads the path every time (which h2 rejects)...
+        let mut decoder = Decoder::new();
+        for block in &blocks {
+            let headers = decoder.decode(block).expect("decodes with the client's table");
+            let authorities: Vec<_> = headers.iter().filter(|(n, _)| n == b":authority").collect();
+            assert_eq!(authorities, [&(b":authority".to_vec(), SOCKET_PATH.to_vec())]);
+        }
+        assert!(http::uri::Authority::try_from(SOCKET_PATH).is_err());
+        // ...and the server's adapter turns it back into localhost.
+        for frame in frames(&run(&out, 3).unwrap()).iter().skip(1) {
+            assert_eq!(authority(&decode_alone(&frame.3)), "localhost");
+        }
+
+        // An authority too large for the table is a literal every time.
+        let huge = vec![b'a'; H2_HEADER_TABLE_SIZE];
+        let input = connection(&[request_block(b"localhost"), request_block(b"x")]);
+        let out = run_with(replace(&huge), &input, 7).unwrap();
+        for frame in frames(&out).iter().skip(1) {
+            assert_eq!(authority(&decode_alone(&frame.3)).as_bytes(), huge);
         }
     }
 

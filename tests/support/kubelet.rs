@@ -9,6 +9,16 @@
 //!   what a kubelet restart does to the directory: every socket in it disappears.
 //! - [`FakePodResources`] serves `PodResourcesLister` on a socket of its own.
 //!
+//! Which kubelet it imitates: by default one before 1.26, like the stock 1.24 kubelet of the
+//! end-to-end suite. Its grpc-go client sends the plugin socket's *path* as the HTTP/2
+//! `:authority` of every call (kubernetes/kubernetes#112597), which plain h2 servers reset with
+//! PROTOCOL_ERROR; the agent answers only through `gpumem::plugin::authority`. A tonic client
+//! cannot put a path in a `Uri`, so every connection to a plugin goes through an in-process relay
+//! that rewrites the client's header blocks with `AuthorityRewrite::with_authority` (the path
+//! enters grpc-go's HPACK dynamic table on the first call and is referred to by index after, as
+//! grpc-go does), and copies bytes both ways, closes included. [`Authority::Localhost`] imitates
+//! kubelets since 1.26 instead (`grpc.WithAuthority("localhost")`), through the same relay.
+//!
 //! Where the double differs from the kubelet on purpose:
 //! - `Register` is answered only once the plugin's first `ListAndWatch` message has arrived (or
 //!   the stream has ended, or [`FIRST_LIST_WAIT`] has passed), so that a test sees the devices as
@@ -34,6 +44,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use gpumem::plugin::authority::AuthorityRewrite;
 use gpumem::plugin::proto::podresources::pod_resources_lister_server::{
     PodResourcesLister, PodResourcesListerServer,
 };
@@ -51,7 +62,7 @@ use gpumem::plugin::proto::v1beta1::{
 };
 use gpumem::plugin::proto::{HEALTHY, KUBELET_MAX_RECV_BYTES, KUBELET_SOCKET, VERSION};
 use hyper_util::rt::TokioIo;
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::io::{AsyncRead, AsyncWrite, DuplexStream, ReadBuf};
 use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::{oneshot, watch};
 use tokio::task::JoinHandle;
@@ -71,6 +82,20 @@ pub const DIAL_TIMEOUT: Duration = Duration::from_secs(10);
 /// Pause between two dial attempts while [`DIAL_TIMEOUT`] has not passed.
 const DIAL_RETRY: Duration = Duration::from_millis(100);
 
+/// Capacity of the in-process pipe between the double's gRPC client and its relay (each way).
+const RELAY_BUFFER: usize = 64 * 1024;
+
+/// What the double sends as HTTP/2 `:authority` when it calls a plugin.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Authority {
+    /// The plugin socket's path, e.g. `/var/lib/kubelet/device-plugins/gpumem-gpu-mem.sock`: what
+    /// kubelets before 1.26 send.
+    #[default]
+    SocketPath,
+    /// `localhost`: what kubelets since 1.26 send.
+    Localhost,
+}
+
 /// Device lists are all kept until they hold this many devices in all; then the oldest go.
 pub const LIST_HISTORY_DEVICES: usize = 1 << 20;
 
@@ -88,9 +113,16 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
-/// `"Code: message"` for a status, as recorded in [`FakeKubelet::stream_errors`].
+/// `"Code: message"` for a status, then the transport errors under it (such as h2's reason for a
+/// reset stream), as recorded in [`FakeKubelet::stream_errors`].
 fn describe(status: &Status) -> String {
-    format!("{:?}: {}", status.code(), status.message())
+    let mut text = format!("{:?}: {}", status.code(), status.message());
+    let mut source = std::error::Error::source(status);
+    while let Some(inner) = source {
+        let _ = write!(text, ": {inner}");
+        source = inner.source();
+    }
+    text
 }
 
 /// An error and its sources, joined by `": "`.
@@ -245,8 +277,8 @@ fn serve(
 }
 
 /// Dials the unix socket at `path` the way the kubelet dials a plugin: retrying until
-/// [`DIAL_TIMEOUT`] has passed.
-async fn dial(path: &Path, conns: &Arc<ConnSet>) -> Result<Channel, String> {
+/// [`DIAL_TIMEOUT`] has passed, each connection through [`relay`].
+async fn dial(path: &Path, conns: &Arc<ConnSet>, authority: Authority) -> Result<Channel, String> {
     let deadline = Instant::now() + DIAL_TIMEOUT;
     loop {
         let path_for_connector = path.to_path_buf();
@@ -254,7 +286,10 @@ async fn dial(path: &Path, conns: &Arc<ConnSet>) -> Result<Channel, String> {
         let connector = tower::service_fn(move |_: Uri| {
             let path = path_for_connector.clone();
             let conns = Arc::clone(&conns_for_connector);
-            async move { Ok::<_, io::Error>(TokioIo::new(conns.track(UnixStream::connect(path).await?)?)) }
+            async move {
+                let stream = conns.track(UnixStream::connect(&path).await?)?;
+                Ok::<_, io::Error>(TokioIo::new(relay(stream, &path, authority)))
+            }
         });
         match Endpoint::from_static("http://localhost")
             .connect_with_connector(connector)
@@ -267,6 +302,33 @@ async fn dial(path: &Path, conns: &Arc<ConnSet>) -> Result<Channel, String> {
             Err(_) => tokio::time::sleep(DIAL_RETRY).await,
         }
     }
+}
+
+/// The client's end of a pipe whose other end is copied to and from `stream`, the client's
+/// header blocks rewritten to carry `authority` (see the module doc). An end of file on either
+/// side is passed on as a shutdown of the other; an error, or the client dropping its end, ends
+/// the relay and closes both.
+fn relay(mut stream: Tracked, path: &Path, authority: Authority) -> DuplexStream {
+    let value = match authority {
+        Authority::SocketPath => path.as_os_str().as_encoded_bytes().to_vec(),
+        Authority::Localhost => b"localhost".to_vec(),
+    };
+    let (client, ours) = tokio::io::duplex(RELAY_BUFFER);
+    let mut ours = AuthorityRewrite::with_authority(ours, value);
+    let path = path.to_path_buf();
+    tokio::spawn(async move {
+        if let Err(e) = tokio::io::copy_bidirectional(&mut ours, &mut stream).await
+            && e.kind() == io::ErrorKind::InvalidData
+        {
+            // The client's HTTP/2 could not be followed: a bug to see, not a connection cut.
+            eprintln!(
+                "kubelet double: relay to {} closed: {}",
+                path.display(),
+                error_chain(&e)
+            );
+        }
+    });
+    client
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -326,6 +388,7 @@ struct KubeletState {
 
 struct Shared {
     dir: PathBuf,
+    authority: Authority,
     state: Mutex<KubeletState>,
     /// Bumped on every change of `state`, for the `wait_*` methods.
     version: watch::Sender<u64>,
@@ -498,7 +561,7 @@ impl RegistrationService {
         // Go's filepath.Join(dir, endpoint): the endpoint stays inside the directory.
         let endpoint = self.shared.dir.join(request.endpoint.trim_start_matches('/'));
         let conns = Arc::new(ConnSet::default());
-        let channel = match dial(&endpoint, &conns).await {
+        let channel = match dial(&endpoint, &conns, self.shared.authority).await {
             Ok(channel) => channel,
             Err(e) => return Err(self.reject(request, format!("failed to dial device plugin: {e}"))),
         };
@@ -610,12 +673,19 @@ pub struct FakeKubelet {
 impl FakeKubelet {
     /// Starts like the kubelet: creates `dir`, removes every socket in it (see
     /// [`FakeKubelet::removed_at_start`]), writes the checkpoint file and listens on
-    /// `<dir>/kubelet.sock`.
+    /// `<dir>/kubelet.sock`. Calls plugins with the socket path as `:authority`, like a kubelet
+    /// before 1.26.
     pub async fn start(dir: &Path) -> FakeKubelet {
+        FakeKubelet::start_with(dir, Authority::default()).await
+    }
+
+    /// [`FakeKubelet::start`], calling plugins with `authority`.
+    pub async fn start_with(dir: &Path, authority: Authority) -> FakeKubelet {
         std::fs::create_dir_all(dir).unwrap_or_else(|e| panic!("cannot create {}: {e}", dir.display()));
         let removed_at_start = cleanup_plugin_dir(dir);
         let shared = Arc::new(Shared {
             dir: dir.to_path_buf(),
+            authority,
             state: Mutex::new(KubeletState::default()),
             version: watch::channel(0).0,
             stopping: watch::channel(false).0,
@@ -656,17 +726,17 @@ impl FakeKubelet {
     /// A kubelet restart: the process dies (registration server and plugin connections cut,
     /// `Register` calls in flight fail), then a new one starts on the same directory, removing
     /// every socket there (the plugins' and the stale `kubelet.sock`) before listening again.
-    /// Nothing carries over: registrations, lists and errors start empty.
+    /// Nothing carries over but the [`Authority`]: registrations, lists and errors start empty.
     pub async fn restart(mut self) -> FakeKubelet {
         self.stop();
         if let Some(server) = self.server.take() {
             let _ = server.await;
         }
-        let dir = self.shared.dir.clone();
+        let (dir, authority) = (self.shared.dir.clone(), self.shared.authority);
         // The dead process's socket file stays until the new one cleans up.
         self.socket_id = (u64::MAX, u64::MAX);
         drop(self);
-        FakeKubelet::start(&dir).await
+        FakeKubelet::start_with(&dir, authority).await
     }
 
     /// Every accepted registration of `resource`, oldest first.
