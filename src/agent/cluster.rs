@@ -27,6 +27,9 @@ const MIN_INTERVAL: Duration = Duration::from_millis(500);
 /// Written again after this long even without a change (someone may have edited it by hand).
 const RESYNC: Duration = Duration::from_secs(300);
 const MAX_BACKOFF: Duration = Duration::from_secs(30);
+/// Between writing annotations that show more room and changing [`ROOM_FREED_LABEL`]: the scorers' node
+/// caches (watches of the same Node) see the room before kube-scheduler, woken by the label, asks them.
+const ROOM_LABEL_DELAY: Duration = Duration::from_millis(300);
 /// An API call made while a pod is being admitted may take this long.
 const LOOKUP_TIMEOUT: Duration = Duration::from_secs(1);
 
@@ -104,35 +107,47 @@ impl Cluster {
         // What was last written, and the picture it came from (to tell when room grew).
         let mut written: Option<(BTreeMap<String, String>, BTreeMap<String, String>)> = None;
         let mut picture: Option<(TopologyAnnotation, UsageAnnotation)> = None;
+        // Room grew and the label has not said so yet.
+        let mut announce = false;
         let mut backoff = Duration::from_secs(1);
         loop {
             changes.mark_unchanged();
             let topology = TopologyAnnotation::new(&state.inventory, state.unit_mib, |a| state.is_healthy(a));
             let usage = state.usage();
             // At start room may have grown while the agent was away: the first picture counts as grown.
-            let grew = picture
+            announce |= picture
                 .as_ref()
                 .is_none_or(|(t, u)| node::room_grew((t, u), (&topology, &usage)));
-            if grew {
-                labels.insert(ROOM_FREED_LABEL.into(), unix_millis().to_string());
-            }
             let annotations = node::annotations(&topology, &usage);
             picture = Some((topology, usage));
-            if written.as_ref().map(|(l, a)| (l, a)) != Some((&labels, &annotations)) {
-                match self.apply(&labels, &annotations).await {
-                    Ok(()) => {
-                        tracing::debug!(node = %self.node, room_grew = grew, "published GPU labels and annotations");
-                        written = Some((labels.clone(), annotations));
-                        backoff = Duration::from_secs(1);
-                    }
-                    Err(err) => {
-                        tracing::warn!(node = %self.node, error = %err, retry_in = ?backoff, "cannot update the Node");
-                        tokio::time::sleep(backoff).await;
-                        backoff = (backoff * 2).min(MAX_BACKOFF);
-                        continue;
-                    }
+            let mut result = Ok(());
+            // The new annotations go out under the old label first, and the label a moment later: kube-scheduler
+            // retries waiting pods when the label changes, and the scorer's node cache must have the room by then.
+            if announce && written.as_ref().is_some_and(|(_, a)| *a != annotations) {
+                result = self.apply(&labels, &annotations).await;
+                if result.is_ok() {
+                    written = Some((labels.clone(), annotations.clone()));
+                    tokio::time::sleep(ROOM_LABEL_DELAY).await;
                 }
             }
+            if announce && result.is_ok() {
+                labels.insert(ROOM_FREED_LABEL.into(), unix_millis().to_string());
+            }
+            if result.is_ok() && written.as_ref().map(|(l, a)| (l, a)) != Some((&labels, &annotations)) {
+                result = self.apply(&labels, &annotations).await;
+                if result.is_ok() {
+                    tracing::debug!(node = %self.node, room_grew = announce, "published GPU labels and annotations");
+                    written = Some((labels.clone(), annotations));
+                    announce = false;
+                }
+            }
+            if let Err(err) = result {
+                tracing::warn!(node = %self.node, error = %err, retry_in = ?backoff, "cannot update the Node");
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(MAX_BACKOFF);
+                continue;
+            }
+            backoff = Duration::from_secs(1);
             tokio::time::sleep(MIN_INTERVAL).await;
             if tokio::time::timeout(RESYNC, changes.changed()).await.is_err() {
                 written = None;
