@@ -43,11 +43,16 @@ PLUGIN_DIR=/var/lib/kubelet/device-plugins
 STATE_DIR=/var/lib/gpumem
 SHIM_DEST=$STATE_DIR/lib # where the DaemonSet's init container installs the shim
 QUIET_PERIOD=30          # seconds a GPU stays unhealthy after its last XID (300 in production)
-BIN=$ROOT/target/debug
 started=$SECONDS
 
 log "building the binaries, the shim and the fake NVML"
 (cd "$ROOT" && cargo build --locked --bin gpumem && cargo build --locked -p gpumem-cuda-shim -p gpumem-fake-cuda -p gpumem-fake-nvml) || exit 1
+# What is tested is what was just built: a later build must not swap the binary under a restart.
+BIN=$OUT/bin
+mkdir -p "$BIN"
+for f in gpumem libgpumem_cuda.so libgpumem_fake_nvml.so; do
+  cp "$ROOT/target/debug/$f" "$BIN/$f.new" && mv -f "$BIN/$f.new" "$BIN/$f" || exit 1
+done
 
 # The fake NVML, reachable under the name nvml-wrapper loads.
 NVML_DIR=$OUT/nvml
