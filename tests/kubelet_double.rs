@@ -10,6 +10,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use gpumem::plugin::authority::AuthorityRewrite;
 use gpumem::plugin::proto::podresources::pod_resources_lister_client::PodResourcesListerClient;
 use gpumem::plugin::proto::podresources::{
     AllocatableResourcesRequest, ContainerDevices, GetPodResourcesRequest, ListPodResourcesRequest,
@@ -211,6 +212,23 @@ fn serve_plugin(socket: &Path, state: &Arc<PluginState>) -> JoinHandle<()> {
     })
 }
 
+/// Like [`serve_plugin`], with every connection through the agent's `:authority` adapter.
+fn serve_plugin_with_adapter(socket: &Path, state: &Arc<PluginState>) -> JoinHandle<()> {
+    use tokio_stream::StreamExt as _;
+    let _ = std::fs::remove_file(socket);
+    let listener =
+        UnixListener::bind(socket).unwrap_or_else(|e| panic!("cannot listen on {}: {e}", socket.display()));
+    let service = DevicePluginServer::new(TestPlugin(Arc::clone(state)));
+    let incoming = UnixListenerStream::new(listener).map(|conn| conn.map(AuthorityRewrite::new));
+    tokio::spawn(async move {
+        Server::builder()
+            .add_service(service)
+            .serve_with_incoming(incoming)
+            .await
+            .expect("the test plugin's server failed");
+    })
+}
+
 /// Calls `Register` on `<dir>/kubelet.sock` as a plugin does.
 async fn register(dir: &Path, version: &str, endpoint: &str, resource: &str) -> Result<(), Status> {
     let channel = uds::connect(&dir.join(KUBELET_SOCKET))
@@ -246,6 +264,28 @@ async fn eventually(what: &str, condition: impl Fn() -> bool) {
 // ---------------------------------------------------------------------------------------------
 // Device manager.
 // ---------------------------------------------------------------------------------------------
+
+/// The double's default is a stock 1.24 kubelet: its calls carry the socket path as `:authority`, which
+/// a plain tonic plugin resets (as a real 1.24 kubelet sees it), and which the agent's adapter repairs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn by_default_the_double_calls_plugins_as_a_1_24_kubelet_does() {
+    let dir = tempdir();
+    let _kubelet = FakeKubelet::start(dir.path()).await;
+    let plugin = PluginState::new(vec![device("dev0", HEALTHY)], Duration::ZERO);
+    let server = serve_plugin(&dir.path().join(ENDPOINT), &plugin);
+    let refused = register(dir.path(), VERSION, ENDPOINT, RESOURCE)
+        .await
+        .expect_err("a plain tonic plugin cannot answer a 1.24 kubelet");
+    assert!(refused.message().contains("protocol error"), "{refused:?}");
+    assert_eq!(plugin.options_calls.load(Ordering::SeqCst), 0);
+    server.abort();
+
+    let _server = serve_plugin_with_adapter(&dir.path().join(ENDPOINT), &plugin);
+    register(dir.path(), VERSION, ENDPOINT, RESOURCE)
+        .await
+        .expect("with the adapter the same kubelet registers the plugin");
+    assert_eq!(plugin.options_calls.load(Ordering::SeqCst), 1);
+}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn registration_round_trip() {
