@@ -885,3 +885,114 @@ async fn rss_at_idle_on_the_largest_node() {
     );
     assert!(rss_kb > 1024, "a running agent has some resident memory");
 }
+
+/// A container owns its accounting file: shrinking it under the reader, or putting a FIFO in its
+/// place, must neither crash nor block the agent's `/metrics` (its liveness probe scrapes it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hostile_accounting_file_neither_crashes_nor_blocks_the_metrics() {
+    use gpumem_accounting::{Accounting, FILE_NAME, MAX_DEVICES, UNLIMITED};
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    let node = Node::new().await;
+    let state = node.dir.path().join("state");
+    let shim = node.dir.path().join("libgpumem_cuda.so");
+    std::fs::write(&shim, b"stand-in").unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let listen = format!("127.0.0.1:{port}");
+    let mut agent = node.agent(
+        "t4x4",
+        &[
+            "--mem-unit-mib",
+            "1024",
+            "--memory-limits",
+            "enforce",
+            "--state-dir",
+            state.to_str().unwrap(),
+            "--shim-path",
+            shim.to_str().unwrap(),
+            "--metrics-listen",
+            &listen,
+        ],
+    );
+    node.kubelet.wait_registered(MEM, WAIT).await;
+    let response = node.kubelet.allocate(MEM, &refs(&units(2, 0..2))).await.unwrap();
+    node.pods
+        .add_container("ns", "p", "c", MEM, &refs(&units(2, 0..2)));
+    let dir = response
+        .mounts
+        .iter()
+        .find(|m| m.container_path == "/var/run/gpumem")
+        .map(|m| PathBuf::from(&m.host_path))
+        .unwrap();
+    let file = dir.join(FILE_NAME);
+    let scrape = || async {
+        tokio::time::timeout(Duration::from_secs(10), http_get(port, "/metrics"))
+            .await
+            .ok()
+            .flatten()
+    };
+
+    // A valid file, as the shim leaves it: 1 GiB in use on the container's first device.
+    let mut limits = [UNLIMITED; MAX_DEVICES];
+    limits[0] = 2 << 30;
+    let (accounting, _) = Accounting::open_or_create(&dir, &limits).unwrap();
+    assert!(accounting.try_reserve(0, 1 << 30));
+    drop(accounting);
+    let content = std::fs::read(&file).unwrap();
+
+    // The container shrinks and regrows its file as fast as it can while /metrics is scraped.
+    let stop = Arc::new(AtomicBool::new(false));
+    let writer = {
+        let (stop, file, content) = (Arc::clone(&stop), file.clone(), content.clone());
+        std::thread::spawn(move || {
+            use std::os::unix::fs::FileExt;
+            let handle = std::fs::OpenOptions::new().write(true).open(&file).unwrap();
+            while !stop.load(Ordering::Relaxed) {
+                let _ = handle.set_len(0);
+                let _ = handle.write_all_at(&content, 0);
+                let _ = handle.set_len(content.len() as u64 / 2);
+                let _ = handle.set_len(content.len() as u64);
+                let _ = handle.write_all_at(&content, 0);
+            }
+        })
+    };
+    for i in 0..200 {
+        if scrape().await.is_none() {
+            stop.store(true, Ordering::Relaxed);
+            let exited = agent.child.try_wait().ok().flatten();
+            panic!(
+                "/metrics did not answer scrape {i} (agent exited: {exited:?}):\n{}",
+                agent.log()
+            );
+        }
+    }
+    stop.store(true, Ordering::Relaxed);
+    writer.join().unwrap();
+    std::fs::write(&file, &content).unwrap();
+    let text = scrape().await.expect("metrics answer");
+    let shim_used = text
+        .lines()
+        .find(|l| l.starts_with("gpumem_gpu_memory_used_bytes{gpu=\"2\"") && l.contains("source=\"shim\""))
+        .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok());
+    assert_eq!(shim_used, Some(f64::from(1u32 << 30)), "{text}");
+
+    // A FIFO in its place: opening it for reading would wait for a writer forever.
+    std::fs::remove_file(&file).unwrap();
+    assert!(Command::new("mkfifo").arg(&file).status().unwrap().success());
+    for _ in 0..3 {
+        scrape()
+            .await
+            .unwrap_or_else(|| panic!("/metrics blocked on a FIFO:\n{}", agent.log()));
+    }
+    assert_eq!(
+        agent.log().matches("not_regular_file").count(),
+        1,
+        "logged once, not at every scrape:\n{}",
+        agent.log()
+    );
+}

@@ -3,8 +3,8 @@
 //! `libgpumem_cuda.so` (the `gpumem-cuda-shim` package) counts each device allocation of each process
 //! of a container in one small file, `<GPUMEM_ACCOUNTING_DIR>/gpumem-accounting`, which every process
 //! maps `MAP_SHARED`: the limit is enforced across all of them with one atomic compare-and-swap on the
-//! device's `used` counter. The agent mounts the directory (one per container) and reads the same file
-//! with [`read_usage`] to export real per-container usage as metrics.
+//! device's `used` counter. The agent mounts the directory (one per container) and reads a private
+//! copy of the same file with [`read_usage`] to export real per-container usage as metrics.
 //!
 //! # File format, version 1
 //!
@@ -41,14 +41,17 @@
 //!   adjacent instructions) leaves an error of that one allocation; nothing else can go wrong.
 //!
 //! Nothing in the file is trusted by a reader: it is writable by the container, so a process could
-//! write anything into it. The shim is not a security boundary (a process can always talk to the
-//! driver directly); it keeps honest programs within their share.
+//! write anything into it, or shrink it, or put a FIFO, a device node or a symlink in its place.
+//! [`read_usage`] never maps it (a mapping of a file that shrinks faults the reader with SIGBUS),
+//! opens nothing but a regular file, and rejects impossible numbers (see there). The shim is not a
+//! security boundary (a process can always talk to the driver directly); it keeps honest programs
+//! within their share.
 
 use std::fmt;
 use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::fd::AsRawFd;
-use std::os::unix::fs::OpenOptionsExt;
+use std::os::unix::fs::{FileExt, FileTypeExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
@@ -68,6 +71,12 @@ pub const UNLIMITED: u64 = u64::MAX;
 
 /// One limit (bytes) per device ordinal.
 pub type Limits = [u64; MAX_DEVICES];
+
+/// The most bytes [`read_usage`] believes a counter or a limit (other than [`UNLIMITED`]): 1 PiB,
+/// far beyond any GPU's memory.
+pub const MAX_PLAUSIBLE_BYTES: u64 = 1 << 50;
+/// PIDs are below the kernel's `pid_max`, which is at most 2^22 (`PID_MAX_LIMIT` on 64-bit).
+const PID_MAX_LIMIT: u64 = 1 << 22;
 
 const OWNER_FREE: u64 = 0;
 const OWNER_BUSY: u64 = u64::MAX;
@@ -112,18 +121,67 @@ const _: () = {
 pub enum Error {
     /// An I/O call failed; `what` says which, on which path.
     Io { what: String, source: io::Error },
-    /// The file exists but is not a version-1 accounting file of the expected size.
-    Incompatible { path: PathBuf, reason: String },
+    /// What is there is not a regular file, not a version-1 accounting file of the expected size,
+    /// or (read by [`read_usage`]) holds numbers no shim writes; `detail` says what was wrong.
+    Incompatible {
+        path: PathBuf,
+        reason: Reason,
+        detail: String,
+    },
+}
+
+/// What was wrong with a file, in a word (for logs and metrics).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Reason {
+    /// An I/O call failed ([`Error::Io`]).
+    Io,
+    /// Not a regular file: a symlink, a directory, a FIFO, a device node, a socket.
+    NotRegularFile,
+    /// Not [`FILE_SIZE`] bytes, or shrank while read.
+    Size,
+    /// Not version 1 of this layout: magic, version or shape.
+    Format,
+    /// A counter, a limit or a process's usage out of bounds.
+    Counters,
+}
+
+impl Reason {
+    /// The reason as a short snake_case word.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Reason::Io => "io",
+            Reason::NotRegularFile => "not_regular_file",
+            Reason::Size => "size",
+            Reason::Format => "format",
+            Reason::Counters => "counters",
+        }
+    }
+}
+
+impl fmt::Display for Reason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl Error {
+    /// Why, in a word.
+    pub fn reason(&self) -> Reason {
+        match self {
+            Error::Io { .. } => Reason::Io,
+            Error::Incompatible { reason, .. } => *reason,
+        }
+    }
 }
 
 impl fmt::Display for Error {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Error::Io { what, source } => write!(f, "{what}: {source}"),
-            Error::Incompatible { path, reason } => {
+            Error::Incompatible { path, detail, .. } => {
                 write!(
                     f,
-                    "{} is not a gpumem accounting file this version can use: {reason}",
+                    "{} is not a gpumem accounting file this version can use: {detail}",
                     path.display()
                 )
             }
@@ -144,6 +202,35 @@ fn io_error(what: impl FnOnce() -> String) -> impl FnOnce(io::Error) -> Error {
     move |source| Error::Io { what: what(), source }
 }
 
+fn incompatible(path: PathBuf, reason: Reason, detail: String) -> Error {
+    Error::Incompatible { path, reason, detail }
+}
+
+/// [`FILE_SIZE`] bytes in the file's layout: the shared mapping, or the reader's private copy.
+///
+/// # Safety
+///
+/// `base` must point to `FILE_SIZE` bytes, 8-byte aligned (the alignment of [`Header`] and
+/// [`Slot`]), that live as long as `self` and are only ever accessed through atomics.
+unsafe trait Region {
+    fn base(&self) -> *const u8;
+
+    fn header(&self) -> &Header {
+        // SAFETY: FILE_SIZE >= HEADER_SIZE bytes, aligned, living as long as `self` (the trait's
+        // contract); every field is an atomic, valid for any bit pattern.
+        unsafe { &*self.base().cast::<Header>() }
+    }
+
+    fn slot(&self, index: usize) -> Option<&Slot> {
+        if index >= MAX_SLOTS {
+            return None;
+        }
+        // SAFETY: in bounds (index < MAX_SLOTS), aligned (HEADER_SIZE and SLOT_SIZE are multiples
+        // of 8); atomics only.
+        Some(unsafe { &*self.base().add(HEADER_SIZE + index * SLOT_SIZE).cast::<Slot>() })
+    }
+}
+
 /// A mapping of the whole file (or of anonymous shared memory), unmapped on drop.
 struct Mapping {
     ptr: NonNull<u8>,
@@ -156,17 +243,13 @@ unsafe impl Send for Mapping {}
 unsafe impl Sync for Mapping {}
 
 impl Mapping {
-    /// Maps `FILE_SIZE` bytes of `fd` (or anonymous memory for `None`).
-    fn new(fd: Option<&File>, writable: bool) -> io::Result<Self> {
-        let prot = if writable {
-            libc::PROT_READ | libc::PROT_WRITE
-        } else {
-            libc::PROT_READ
-        };
+    /// Maps `FILE_SIZE` bytes of `fd` (or anonymous memory for `None`) read-write.
+    fn new(fd: Option<&File>) -> io::Result<Self> {
         let (flags, raw) = match fd {
             Some(file) => (libc::MAP_SHARED, file.as_raw_fd()),
             None => (libc::MAP_SHARED | libc::MAP_ANONYMOUS, -1),
         };
+        let prot = libc::PROT_READ | libc::PROT_WRITE;
         // SAFETY: a fresh mapping chosen by the kernel; the arguments are valid.
         let ptr = unsafe { libc::mmap(std::ptr::null_mut(), FILE_SIZE, prot, flags, raw, 0) };
         if ptr == libc::MAP_FAILED {
@@ -175,25 +258,38 @@ impl Mapping {
         let ptr = NonNull::new(ptr.cast::<u8>()).ok_or_else(|| io::Error::other("mmap returned null"))?;
         Ok(Self { ptr, len: FILE_SIZE })
     }
+}
 
-    fn header(&self) -> &Header {
-        // SAFETY: the mapping is FILE_SIZE >= HEADER_SIZE bytes, page-aligned, and lives as long as
-        // `self`; every field is an atomic, valid for any bit pattern.
-        unsafe { &*self.ptr.as_ptr().cast::<Header>() }
+// SAFETY: FILE_SIZE bytes, page-aligned, mapped until `self` drops; the writer touches them only
+// through the atomics of `Header` and `Slot`.
+unsafe impl Region for Mapping {
+    fn base(&self) -> *const u8 {
+        self.ptr.as_ptr()
     }
+}
 
-    fn slot(&self, index: usize) -> Option<&Slot> {
-        if index >= MAX_SLOTS {
-            return None;
-        }
-        // SAFETY: in bounds (index < MAX_SLOTS), 64-byte aligned; atomics only.
-        Some(unsafe {
-            &*self
-                .ptr
-                .as_ptr()
-                .add(HEADER_SIZE + index * SLOT_SIZE)
-                .cast::<Slot>()
-        })
+/// The reader's private copy of a file, decoded through the same `Header` and `Slot` as the mapping.
+struct FileCopy(Box<[AtomicU64]>);
+
+impl FileCopy {
+    /// The first `FILE_SIZE` bytes of `file`, read with `pread` (an error if it has fewer).
+    fn read(file: &File) -> io::Result<Self> {
+        let mut bytes = vec![0u8; FILE_SIZE];
+        file.read_exact_at(&mut bytes, 0)?;
+        let (words, _) = bytes.as_chunks::<8>();
+        Ok(Self(
+            words
+                .iter()
+                .map(|w| AtomicU64::new(u64::from_ne_bytes(*w)))
+                .collect(),
+        ))
+    }
+}
+
+// SAFETY: FILE_SIZE / 8 atomics (`read` fills FILE_SIZE bytes, a multiple of 8), owned by `self`.
+unsafe impl Region for FileCopy {
+    fn base(&self) -> *const u8 {
+        self.0.as_ptr().cast()
     }
 }
 
@@ -269,21 +365,18 @@ impl Accounting {
             unsafe { libc::fchmod(file.as_raw_fd(), 0o666) };
             file.set_len(FILE_SIZE as u64)
                 .map_err(io_error(|| format!("cannot size {}", path.display())))?;
-            let map = Mapping::new(Some(&file), true)
-                .map_err(io_error(|| format!("cannot map {}", path.display())))?;
+            let map =
+                Mapping::new(Some(&file)).map_err(io_error(|| format!("cannot map {}", path.display())))?;
             let accounting = Self { map, limits: *limits };
             accounting.initialise();
             return Ok((accounting, Opened::Created));
         }
         if len != FILE_SIZE as u64 {
-            return Err(Error::Incompatible {
-                path,
-                reason: format!("size {len}, expected {FILE_SIZE}"),
-            });
+            let detail = format!("size {len}, expected {FILE_SIZE}");
+            return Err(incompatible(path, Reason::Size, detail));
         }
-        let map =
-            Mapping::new(Some(&file), true).map_err(io_error(|| format!("cannot map {}", path.display())))?;
-        validate(map.header()).map_err(|reason| Error::Incompatible { path, reason })?;
+        let map = Mapping::new(Some(&file)).map_err(io_error(|| format!("cannot map {}", path.display())))?;
+        validate(map.header()).map_err(|detail| incompatible(path, Reason::Format, detail))?;
         let same = map
             .header()
             .limit
@@ -301,7 +394,7 @@ impl Accounting {
     /// Process-private accounting (no directory given): the same counters in anonymous memory, so
     /// the limit holds per process.
     pub fn anonymous(limits: &Limits) -> Result<Self, Error> {
-        let map = Mapping::new(None, true).map_err(io_error(|| "cannot map anonymous memory".to_owned()))?;
+        let map = Mapping::new(None).map_err(io_error(|| "cannot map anonymous memory".to_owned()))?;
         let accounting = Self { map, limits: *limits };
         accounting.initialise();
         Ok(accounting)
@@ -469,7 +562,7 @@ impl Accounting {
         true
     }
 
-    /// A snapshot of the whole file, as [`read_usage`] gives it.
+    /// A snapshot of the whole file, as [`read_usage`] decodes it (without its bounds check).
     pub fn snapshot(&self) -> Usage {
         snapshot(&self.map)
     }
@@ -569,20 +662,19 @@ impl Usage {
     }
 }
 
-/// Reads `<dir>/gpumem-accounting` without changing it (read-only mapping, no lock).
+/// Reads `<dir>/gpumem-accounting` without changing it and without a lock, into a private copy.
 ///
 /// `Ok(None)`: no file yet, or one still being created (no process of the container has used
-/// CUDA). An existing file of another version or size is an error.
+/// CUDA). Whatever the container puts at that path is an error at worst, never a fault or a wait:
+/// only a regular file is opened (never through a symlink), and it is read with `pread` rather
+/// than mapped, so a file that shrinks is a short read ([`Reason::Size`]). Numbers no shim writes
+/// reject the file ([`Reason::Counters`]): a limit above [`MAX_PLAUSIBLE_BYTES`], or a device's
+/// `used`, or a process's, above the device's limit (or that bound when unlimited). A slot whose
+/// owner is no possible PID (0, or 2^22 and above) is left out.
 pub fn read_usage(dir: &Path) -> Result<Option<Usage>, Error> {
     let path = dir.join(FILE_NAME);
-    let file = match OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_CLOEXEC | libc::O_NOFOLLOW)
-        .open(&path)
-    {
-        Ok(file) => file,
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
-        Err(e) => return Err(io_error(|| format!("cannot open {}", path.display()))(e)),
+    let Some(file) = open_regular(&path)? else {
+        return Ok(None);
     };
     let len = file
         .metadata()
@@ -592,22 +684,102 @@ pub fn read_usage(dir: &Path) -> Result<Option<Usage>, Error> {
         return Ok(None);
     }
     if len != FILE_SIZE as u64 {
-        return Err(Error::Incompatible {
-            path,
-            reason: format!("size {len}, expected {FILE_SIZE}"),
-        });
+        let detail = format!("size {len}, expected {FILE_SIZE}");
+        return Err(incompatible(path, Reason::Size, detail));
     }
-    let map =
-        Mapping::new(Some(&file), false).map_err(io_error(|| format!("cannot map {}", path.display())))?;
-    if map.header().magic.load(Ordering::Acquire) == 0 {
+    // The creator writes the magic last (release): read it first, then the rest after it.
+    let mut magic = [0; 8];
+    file.read_exact_at(&mut magic, 0).map_err(read_error(&path))?;
+    if u64::from_ne_bytes(magic) == 0 {
         return Ok(None);
     }
-    validate(map.header()).map_err(|reason| Error::Incompatible { path, reason })?;
-    Ok(Some(snapshot(&map)))
+    std::sync::atomic::fence(Ordering::Acquire);
+    let copy = FileCopy::read(&file).map_err(read_error(&path))?;
+    validate(copy.header()).map_err(|detail| incompatible(path.clone(), Reason::Format, detail))?;
+    let usage = snapshot(&copy);
+    check_bounds(&usage).map_err(|detail| incompatible(path, Reason::Counters, detail))?;
+    Ok(Some(usage))
 }
 
-fn snapshot(map: &Mapping) -> Usage {
-    let header = map.header();
+/// Opens `path` for reading if it is a regular file; `None` if nothing is there. Nothing else is
+/// ever opened: an `O_PATH` descriptor has no open side effects (opening a FIFO blocks, opening a
+/// device node reaches its driver with the agent's privileges), `fstat` tells its type, and
+/// reopening it through `/proc/self/fd` reaches that very inode whatever the path now names.
+fn open_regular(path: &Path) -> Result<Option<File>, Error> {
+    let handle = match OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_PATH | libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(path)
+    {
+        Ok(handle) => handle,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(io_error(|| format!("cannot open {}", path.display()))(e)),
+    };
+    let kind = handle
+        .metadata()
+        .map_err(io_error(|| format!("cannot stat {}", path.display())))?
+        .file_type();
+    if !kind.is_file() {
+        let what = if kind.is_symlink() {
+            "a symlink"
+        } else if kind.is_dir() {
+            "a directory"
+        } else if kind.is_fifo() {
+            "a FIFO"
+        } else if kind.is_socket() {
+            "a socket"
+        } else {
+            "a device node"
+        };
+        let detail = format!("{what}, not a regular file");
+        return Err(incompatible(path.to_path_buf(), Reason::NotRegularFile, detail));
+    }
+    OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY | libc::O_CLOEXEC)
+        .open(format!("/proc/self/fd/{}", handle.as_raw_fd()))
+        .map(Some)
+        .map_err(io_error(|| format!("cannot open {}", path.display())))
+}
+
+/// A read that comes up short: the file shrank after it was measured.
+fn read_error(path: &Path) -> impl FnOnce(io::Error) -> Error + '_ {
+    move |source| {
+        if source.kind() == io::ErrorKind::UnexpectedEof {
+            incompatible(path.to_path_buf(), Reason::Size, "shrank while read".to_owned())
+        } else {
+            Error::Io {
+                what: format!("cannot read {}", path.display()),
+                source,
+            }
+        }
+    }
+}
+
+/// Numbers no shim writes (see [`read_usage`]).
+fn check_bounds(usage: &Usage) -> Result<(), String> {
+    for device in &usage.devices {
+        let d = device.index;
+        let bound = match device.limit {
+            Some(limit) if limit > MAX_PLAUSIBLE_BYTES => return Err(format!("device {d}: limit {limit}")),
+            Some(limit) => limit,
+            None => MAX_PLAUSIBLE_BYTES,
+        };
+        if device.used > bound {
+            return Err(format!("device {d}: {} bytes used, above {bound}", device.used));
+        }
+        if let Some(p) = usage.processes.iter().find(|p| p.used[d as usize] > bound) {
+            return Err(format!(
+                "process {}: {} bytes used on device {d}, above {bound}",
+                p.pid, p.used[d as usize]
+            ));
+        }
+    }
+    Ok(())
+}
+
+fn snapshot(region: &impl Region) -> Usage {
+    let header = region.header();
     let devices = (0..MAX_DEVICES)
         .map(|d| {
             let limit = header.limit[d].load(Ordering::Relaxed);
@@ -619,10 +791,13 @@ fn snapshot(map: &Mapping) -> Usage {
         })
         .collect();
     let processes = (0..MAX_SLOTS)
-        .filter_map(|i| map.slot(i))
+        .filter_map(|i| region.slot(i))
         .filter_map(|slot| {
             let owner = slot.owner.load(Ordering::Acquire);
-            let pid = u32::try_from(owner).ok().filter(|&p| p != 0)?;
+            // 0 is a free slot, u64::MAX a busy one; anything else that no PID can be is garbage.
+            let pid = u32::try_from(owner)
+                .ok()
+                .filter(|&p| p != 0 && u64::from(p) < PID_MAX_LIMIT)?;
             Some(ProcessUsage {
                 pid,
                 used: std::array::from_fn(|d| slot.used[d].load(Ordering::Relaxed)),
@@ -677,6 +852,157 @@ mod tests {
         let mut l = [UNLIMITED; MAX_DEVICES];
         l[0] = first;
         l
+    }
+
+    /// A valid file with 700 KiB in use on device 0 (limit 1 MiB) by PID 4242 in slot 0, as bytes.
+    fn valid_file(dir: &Path) -> Vec<u8> {
+        let (acct, _) = Accounting::open_or_create(dir, &limits(1 << 20)).expect("create");
+        let slot = acct.claim_slot(4242, 7).expect("slot");
+        assert!(acct.try_reserve(0, 700 << 10));
+        acct.charge(slot, 0, 700 << 10);
+        drop(acct);
+        std::fs::read(dir.join(FILE_NAME)).expect("read back")
+    }
+
+    /// Read through a mapping, as the reader once did, this died of SIGBUS within milliseconds.
+    #[test]
+    fn a_file_shrinking_under_the_reader_is_an_error_not_a_crash() {
+        use std::os::unix::fs::FileExt;
+        let dir = tempfile::tempdir().expect("temp dir");
+        let content = valid_file(dir.path());
+        let expected = read_usage(dir.path()).expect("read").expect("valid");
+        let file = OpenOptions::new()
+            .write(true)
+            .open(dir.path().join(FILE_NAME))
+            .expect("open for writing");
+        let stop = std::sync::atomic::AtomicBool::new(false);
+        let (mut some, mut none, mut errors) = (0, 0, 0);
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                // What a hostile container can do to its own file, as fast as it can.
+                while !stop.load(Ordering::Relaxed) {
+                    let _ = file.set_len(0);
+                    let _ = file.write_all_at(&content, 0);
+                    let _ = file.set_len(FILE_SIZE as u64 / 2);
+                    let _ = file.set_len(FILE_SIZE as u64);
+                    let _ = file.write_all_at(&content, 0);
+                }
+            });
+            for _ in 0..5000 {
+                match read_usage(dir.path()) {
+                    Ok(Some(usage)) => {
+                        some += 1;
+                        assert!(usage.processes.iter().all(|p| p.pid == 4242), "{usage:?}");
+                    }
+                    Ok(None) => none += 1,
+                    Err(e) => {
+                        errors += 1;
+                        let reason = e.reason();
+                        assert!(
+                            matches!(reason, Reason::Size | Reason::Format | Reason::Counters),
+                            "{e}"
+                        );
+                    }
+                }
+            }
+            stop.store(true, Ordering::Relaxed);
+        });
+        eprintln!("{some} usages, {none} absent, {errors} rejected");
+        assert_eq!(read_usage(dir.path()).expect("read").expect("valid"), expected);
+    }
+
+    #[test]
+    fn a_fifo_is_refused_at_once() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let made = std::process::Command::new("mkfifo")
+            .arg(dir.path().join(FILE_NAME))
+            .status()
+            .expect("run mkfifo");
+        assert!(made.success());
+        let (tx, rx) = std::sync::mpsc::channel();
+        let reader = dir.path().to_path_buf();
+        // A reader blocked in open would hang the test: give it a thread and a deadline.
+        std::thread::spawn(move || tx.send(read_usage(&reader).map(|_| ())));
+        let result = rx
+            .recv_timeout(std::time::Duration::from_secs(1))
+            .expect("read_usage blocked on a FIFO");
+        let error = result.expect_err("a FIFO is no accounting file");
+        assert_eq!(error.reason(), Reason::NotRegularFile, "{error}");
+    }
+
+    #[test]
+    fn symlinks_and_directories_are_not_followed() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let elsewhere = tempfile::tempdir().expect("temp dir");
+        valid_file(elsewhere.path());
+        std::os::unix::fs::symlink(elsewhere.path().join(FILE_NAME), dir.path().join(FILE_NAME))
+            .expect("symlink");
+        let error = read_usage(dir.path()).expect_err("a symlink is not followed");
+        assert_eq!(error.reason(), Reason::NotRegularFile, "{error}");
+        assert!(
+            error.to_string().contains("a symlink, not a regular file"),
+            "{error}"
+        );
+        std::fs::remove_file(dir.path().join(FILE_NAME)).expect("remove");
+        std::fs::create_dir(dir.path().join(FILE_NAME)).expect("mkdir");
+        let error = read_usage(dir.path()).expect_err("a directory is no accounting file");
+        assert_eq!(error.reason(), Reason::NotRegularFile, "{error}");
+    }
+
+    #[test]
+    fn absurd_counters_are_rejected_and_impossible_pids_ignored() {
+        use std::os::unix::fs::FileExt;
+        let dir = tempfile::tempdir().expect("temp dir");
+        let content = valid_file(dir.path());
+        let path = dir.path().join(FILE_NAME);
+        let put = |offset: usize, value: u64| {
+            let file = OpenOptions::new().write(true).open(&path).expect("open");
+            file.write_all_at(&value.to_ne_bytes(), offset as u64)
+                .expect("write");
+        };
+        let used = |device: usize| std::mem::offset_of!(Header, used) + 8 * device;
+        let slot = |index: usize| HEADER_SIZE + index * SLOT_SIZE;
+        let slot_used =
+            |index: usize, device: usize| slot(index) + std::mem::offset_of!(Slot, used) + 8 * device;
+
+        let rejected = |why: &str| {
+            let error = read_usage(dir.path()).expect_err(why);
+            assert_eq!(error.reason(), Reason::Counters, "{why}: {error}");
+        };
+        put(used(0), u64::MAX);
+        rejected("u64::MAX used");
+        put(used(0), (1 << 20) + 1);
+        rejected("over the limit");
+        put(used(0), 700 << 10);
+        put(used(1), MAX_PLAUSIBLE_BYTES + 1);
+        rejected("over 1 PiB on an unlimited device");
+        put(used(1), MAX_PLAUSIBLE_BYTES);
+        assert!(
+            read_usage(dir.path()).is_ok_and(|u| u.is_some()),
+            "1 PiB is possible"
+        );
+        put(used(1), 0);
+        put(
+            std::mem::offset_of!(Header, limit) + 8 * 2,
+            MAX_PLAUSIBLE_BYTES + 1,
+        );
+        rejected("a limit over 1 PiB");
+        put(std::mem::offset_of!(Header, limit) + 8 * 2, UNLIMITED);
+        put(slot_used(0, 3), u64::MAX);
+        rejected("a process using u64::MAX");
+        put(slot_used(0, 3), 0);
+        put(slot_used(0, 0), (1 << 20) + 1);
+        rejected("a process over the device's limit");
+        std::fs::write(&path, &content).expect("restore");
+
+        // PID 0 is a free slot, whatever it holds; PIDs at or above the kernel's maximum are not PIDs.
+        put(slot_used(1, 0), 5);
+        put(slot(2), 4_194_304);
+        put(slot(3), u64::from(u32::MAX));
+        put(slot(4), 4_194_303);
+        let usage = read_usage(dir.path()).expect("read").expect("valid");
+        let pids: Vec<u32> = usage.processes.iter().map(|p| p.pid).collect();
+        assert_eq!(pids, [4242, 4_194_303]);
     }
 
     #[test]
@@ -744,7 +1070,8 @@ mod tests {
         std::fs::write(dir.path().join(FILE_NAME), b"").expect("write");
         assert_eq!(read_usage(dir.path()).expect("empty file is fine"), None);
         std::fs::write(dir.path().join(FILE_NAME), b"not an accounting file").expect("write");
-        assert!(matches!(read_usage(dir.path()), Err(Error::Incompatible { .. })));
+        let error = read_usage(dir.path()).expect_err("too short");
+        assert_eq!(error.reason(), Reason::Size, "{error}");
         assert!(matches!(
             Accounting::open_or_create(dir.path(), &limits(1)),
             Err(Error::Incompatible { .. })
@@ -752,6 +1079,7 @@ mod tests {
         std::fs::write(dir.path().join(FILE_NAME), vec![0xAB; FILE_SIZE]).expect("write");
         let error = read_usage(dir.path()).expect_err("bad magic");
         assert!(error.to_string().contains("bad magic"), "{error}");
+        assert_eq!(error.reason(), Reason::Format);
         assert!(Accounting::open_or_create(&dir.path().join("absent"), &limits(1)).is_err());
     }
 

@@ -9,10 +9,12 @@
 //!   the kubelet never hands one unit to two live containers, so the name is unique while the
 //!   container lives, and the same name in PodResources tells the agent when it is gone.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::path::{Path, PathBuf};
+use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use anyhow::Context as _;
+use gpumem_accounting::Usage;
 
 use crate::plugin::proto::v1beta1::Mount;
 
@@ -29,6 +31,9 @@ pub struct Enforcement {
     shim: PathBuf,
     preload: PathBuf,
     containers: PathBuf,
+    /// Allocations whose accounting file was rejected and logged, until it reads valid again: a
+    /// container that keeps spoiling its file gets one log line, not one per scrape.
+    rejected: Mutex<HashSet<String>>,
 }
 
 impl Enforcement {
@@ -52,6 +57,7 @@ impl Enforcement {
             shim: shim.to_path_buf(),
             preload,
             containers,
+            rejected: Mutex::default(),
         })
     }
 
@@ -73,6 +79,7 @@ impl Enforcement {
             std::fs::remove_dir_all(&dir).with_context(|| format!("clearing {}", dir.display()))?;
         }
         std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+        self.rejected().remove(allocation);
         let mount = |host: &Path, container: &str, read_only| Mount {
             container_path: container.into(),
             host_path: host.display().to_string(),
@@ -106,18 +113,42 @@ impl Enforcement {
         }
     }
 
-    /// What each live container's processes use, per allocation, as the shim counted it.
-    pub fn usage(&self) -> Vec<(String, gpumem_accounting::Usage)> {
+    /// What each live container's processes use, per allocation, as the shim counted it. A file the
+    /// agent refuses (the container writes it: see `gpumem_accounting::read_usage`) counts for
+    /// nothing and is logged once, until it reads valid again or its container is gone.
+    pub fn usage(&self) -> Vec<(String, Usage)> {
         let Ok(entries) = std::fs::read_dir(&self.containers) else {
             return Vec::new();
         };
-        entries
-            .flatten()
-            .filter_map(|entry| {
-                let usage = gpumem_accounting::read_usage(&entry.path()).ok().flatten()?;
-                Some((entry.file_name().to_string_lossy().into_owned(), usage))
-            })
-            .collect()
+        let mut rejected = self.rejected();
+        let mut still_rejected = HashSet::new();
+        let mut out = Vec::new();
+        for entry in entries.flatten() {
+            let allocation = entry.file_name().to_string_lossy().into_owned();
+            match gpumem_accounting::read_usage(&entry.path()) {
+                Ok(Some(usage)) => out.push((allocation, usage)),
+                Ok(None) => {}
+                Err(err) => {
+                    if !rejected.contains(&allocation) {
+                        tracing::warn!(
+                            allocation = %allocation,
+                            reason = %err.reason(),
+                            error = %err,
+                            "accounting file rejected: its usage is not counted (logged again only \
+                             after it reads valid)"
+                        );
+                    }
+                    still_rejected.insert(allocation);
+                }
+            }
+        }
+        *rejected = still_rejected;
+        out
+    }
+
+    fn rejected(&self) -> MutexGuard<'_, HashSet<String>> {
+        // A set of names: a panic while it was held cannot leave it inconsistent.
+        self.rejected.lock().unwrap_or_else(PoisonError::into_inner)
     }
 }
 
@@ -162,5 +193,29 @@ mod tests {
         enforcement.forget_all_but(&BTreeSet::from(["g0-u0".to_string()]));
         assert!(!host.exists());
         assert!(dir.path().join("state/containers/g0-u0").is_dir());
+    }
+
+    #[test]
+    fn a_rejected_file_is_logged_once_until_it_reads_valid() {
+        let dir = tempfile::tempdir().unwrap();
+        let shim = dir.path().join("libgpumem_cuda.so");
+        std::fs::write(&shim, b"").unwrap();
+        let enforcement = Enforcement::prepare(&dir.path().join("state"), &shim).unwrap();
+        let (mounts, _) = enforcement.container("g0-u0").unwrap();
+        let file = PathBuf::from(&mounts[2].host_path).join(gpumem_accounting::FILE_NAME);
+        std::fs::create_dir(&file).unwrap();
+        assert!(enforcement.usage().is_empty());
+        assert!(
+            enforcement.rejected().contains("g0-u0"),
+            "logged, and remembered as such"
+        );
+        assert!(enforcement.usage().is_empty());
+        assert!(enforcement.rejected().contains("g0-u0"));
+        std::fs::remove_dir(&file).unwrap();
+        assert!(enforcement.usage().is_empty());
+        assert!(
+            enforcement.rejected().is_empty(),
+            "logged again if it goes bad again"
+        );
     }
 }
