@@ -984,11 +984,14 @@ async fn a_hostile_accounting_file_neither_crashes_nor_blocks_the_metrics() {
     // A FIFO in its place: opening it for reading would wait for a writer forever.
     std::fs::remove_file(&file).unwrap();
     assert!(Command::new("mkfifo").arg(&file).status().unwrap().success());
+    let mut text = String::new();
     for _ in 0..3 {
-        scrape()
+        text = scrape()
             .await
             .unwrap_or_else(|| panic!("/metrics blocked on a FIFO:\n{}", agent.log()));
     }
+    let fifo = "gpumem_accounting_rejected_total{reason=\"not_regular_file\"}";
+    assert_eq!(metric(&text, fifo), Some(3.0), "counted at every read: {text}");
     assert_eq!(
         agent.log().matches("not_regular_file").count(),
         1,

@@ -257,7 +257,11 @@ fn the_agent_metrics_the_deployment_uses_are_the_ones_the_agent_exports() {
     let used: std::collections::BTreeSet<&str> = METRICS
         .iter()
         .map(|&(name, _)| name)
-        .filter(|n| n.starts_with("gpumem_gpu_") || n.starts_with("gpumem_plugin_"))
+        .filter(|n| {
+            ["gpumem_gpu_", "gpumem_plugin_", "gpumem_accounting_"]
+                .iter()
+                .any(|p| n.starts_with(p))
+        })
         .collect();
     let exported: std::collections::BTreeSet<&str> =
         gpumem::agent::metrics::EXPORTED.iter().copied().collect();

@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use anyhow::Context as _;
-use gpumem_accounting::Usage;
+use gpumem_accounting::{Reason, Usage};
 
 use crate::plugin::proto::v1beta1::Mount;
 
@@ -113,10 +113,10 @@ impl Enforcement {
         }
     }
 
-    /// What each live container's processes use, per allocation, as the shim counted it. A file the
-    /// agent refuses (the container writes it: see `gpumem_accounting::read_usage`) counts for
-    /// nothing and is logged once, until it reads valid again or its container is gone.
-    pub fn usage(&self) -> Vec<(String, Usage)> {
+    /// What each live container's processes use, per allocation, as the shim counted it; for a
+    /// file the agent refuses (the container writes it: see `gpumem_accounting::read_usage`), why.
+    /// A refused file is logged once, until it reads valid again or its container is gone.
+    pub fn usage(&self) -> Vec<(String, Result<Usage, Reason>)> {
         let Ok(entries) = std::fs::read_dir(&self.containers) else {
             return Vec::new();
         };
@@ -126,7 +126,7 @@ impl Enforcement {
         for entry in entries.flatten() {
             let allocation = entry.file_name().to_string_lossy().into_owned();
             match gpumem_accounting::read_usage(&entry.path()) {
-                Ok(Some(usage)) => out.push((allocation, usage)),
+                Ok(Some(usage)) => out.push((allocation, Ok(usage))),
                 Ok(None) => {}
                 Err(err) => {
                     if !rejected.contains(&allocation) {
@@ -138,6 +138,7 @@ impl Enforcement {
                              after it reads valid)"
                         );
                     }
+                    out.push((allocation.clone(), Err(err.reason())));
                     still_rejected.insert(allocation);
                 }
             }
@@ -204,12 +205,13 @@ mod tests {
         let (mounts, _) = enforcement.container("g0-u0").unwrap();
         let file = PathBuf::from(&mounts[2].host_path).join(gpumem_accounting::FILE_NAME);
         std::fs::create_dir(&file).unwrap();
-        assert!(enforcement.usage().is_empty());
+        let rejected = vec![("g0-u0".to_string(), Err(Reason::NotRegularFile))];
+        assert_eq!(enforcement.usage(), rejected);
         assert!(
             enforcement.rejected().contains("g0-u0"),
             "logged, and remembered as such"
         );
-        assert!(enforcement.usage().is_empty());
+        assert_eq!(enforcement.usage(), rejected, "counted at every read");
         assert!(enforcement.rejected().contains("g0-u0"));
         std::fs::remove_dir(&file).unwrap();
         assert!(enforcement.usage().is_empty());

@@ -3,6 +3,7 @@
 //! Per GPU: memory total, allocated through the two resources, and used (as NVML sees it, and as
 //! the shim counts it in the containers); utilization, temperature, power; health, XIDs, pods.
 //! Per resource: registered with the kubelet, request latency, refused allocations.
+//! Per reason: container accounting files the agent refused to read.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -38,6 +39,7 @@ pub const EXPORTED: &[&str] = &[
     "gpumem_plugin_registered",
     "gpumem_plugin_request_duration_seconds",
     "gpumem_plugin_allocation_failures_total",
+    "gpumem_accounting_rejected_total",
 ];
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -88,6 +90,11 @@ struct ResourceReason {
     reason: &'static str,
 }
 
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RejectionReason {
+    reason: &'static str,
+}
+
 type FloatGauge = Gauge<f64, AtomicU64>;
 
 fn latency_histogram() -> Histogram {
@@ -109,6 +116,7 @@ pub struct AgentMetrics {
     registered: Family<Resource, Gauge>,
     request_duration: Family<ResourceMethod, Histogram, fn() -> Histogram>,
     failures: Family<ResourceReason, Counter>,
+    accounting_rejected: Family<RejectionReason, Counter>,
 }
 
 impl Default for AgentMetrics {
@@ -134,6 +142,7 @@ impl AgentMetrics {
             registered: Family::default(),
             request_duration: Family::new_with_constructor(latency_histogram),
             failures: Family::default(),
+            accounting_rejected: Family::default(),
         };
         let m = &metrics;
         registry.register("gpu_memory_total_bytes", "GPU memory", m.memory_total.clone());
@@ -184,6 +193,11 @@ impl AgentMetrics {
             "Requests the agent refused, by reason",
             m.failures.clone(),
         );
+        registry.register(
+            "accounting_rejected",
+            "Reads of a container's accounting file refused (not counted in source=shim), by reason",
+            m.accounting_rejected.clone(),
+        );
         Self { registry, ..metrics }
     }
 
@@ -200,6 +214,14 @@ impl AgentMetrics {
             .get_or_create(&ResourceReason {
                 resource: resource.into(),
                 reason,
+            })
+            .inc();
+    }
+
+    fn rejected_accounting(&self, reason: gpumem_accounting::Reason) {
+        self.accounting_rejected
+            .get_or_create(&RejectionReason {
+                reason: reason.as_str(),
             })
             .inc();
     }
@@ -226,6 +248,13 @@ impl AgentMetrics {
         let usage = state.usage();
         let mut shim_used = vec![0u64; state.inventory.gpus.len()];
         for (allocation, counted) in enforcement.map(Enforcement::usage).unwrap_or_default() {
+            let counted = match counted {
+                Ok(counted) => counted,
+                Err(reason) => {
+                    self.rejected_accounting(reason);
+                    continue;
+                }
+            };
             if let Some(a) = Enforcement::gpu_index_of(&allocation).and_then(|i| state.position(i)) {
                 shim_used[a] = shim_used[a].saturating_add(counted.total_used());
             }
@@ -393,6 +422,7 @@ mod tests {
         metrics.observe_request("nvidia.com/gpu-mem", "Allocate", 0.0002);
         metrics.refused("nvidia.com/gpu", "unavailable");
         metrics.xid(1, 79);
+        metrics.rejected_accounting(gpumem_accounting::Reason::Size);
         metrics.set_registered("nvidia.com/gpu", true);
         // Telemetry-only gauges need NVML; give them one value so the encoding shows them.
         metrics
@@ -427,6 +457,10 @@ mod tests {
         );
         assert!(
             text.contains("gpumem_gpu_xid_errors_total{gpu=\"1\",xid=\"79\"} 1"),
+            "{text}"
+        );
+        assert!(
+            text.contains("gpumem_accounting_rejected_total{reason=\"size\"} 1"),
             "{text}"
         );
         let allocated = text

@@ -668,6 +668,7 @@ pub const METRICS: &[(&str, &str)] = &[
     ("gpumem_plugin_registered", "gauge"),
     ("gpumem_plugin_request_duration_seconds", "histogram"),
     ("gpumem_plugin_allocation_failures_total", "counter"),
+    ("gpumem_accounting_rejected_total", "counter"),
     ("gpumem_scorer_request_duration_seconds", "histogram"),
     ("gpumem_scorer_filter_rejections_total", "counter"),
     ("gpumem_cluster_fragmentation_ratio", "gauge"),
