@@ -8,12 +8,14 @@
 //! - [`alloc`]: the placement policy (which node, which GPUs), pure, shared by scorer, agent and simulator;
 //! - [`sim`]: `gpumem simulate`, replaying cluster traces through [`alloc`];
 //! - [`quantity`]: Kubernetes resource quantities (`5k`, `1.5Gi`, `500m`), read exactly as the API
-//!   server reads them, for the agent and the scorer.
+//!   server reads them, for the agent and the scorer;
+//! - [`names`]: Kubernetes object names, checked as the API server checks them.
 
 pub mod agent;
 pub mod alloc;
 pub mod gpu;
 pub mod inspect;
+pub mod names;
 pub mod node;
 pub mod plugin;
 pub mod quantity;

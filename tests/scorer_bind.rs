@@ -492,3 +492,69 @@ fn the_fake_api_servers_see_requests_as_the_authorizer_does() {
     }
     assert!(request_info("GET", "/version", "").non_resource_path.is_some());
 }
+
+/// Finding: anyone who reaches the scorer could make it bind any pod. `bind` now binds only what
+/// kube-scheduler itself would ask for, and checks names before they reach an API path.
+#[tokio::test]
+async fn bind_refuses_what_kube_scheduler_would_never_ask_for() {
+    let node = node_json("n", &[g(16384, 0)]);
+    let mut bound = pod_json("bound", 1000, 0, json!({}), json!({}));
+    bound["spec"]["nodeName"] = json!("n");
+    let mut other = pod_json("other", 1000, 0, json!({}), json!({}));
+    other["spec"]["schedulerName"] = json!("team-scheduler");
+    let mut leaving = pod_json("leaving", 1000, 0, json!({}), json!({}));
+    leaving["metadata"]["deletionTimestamp"] = json!("2026-12-01T00:00:00Z");
+    let fine = pod_json("fine", 1000, 0, json!({}), json!({}));
+    let (addr, scorer, api) = setup(&[node], &[bound, other, leaving, fine]).await;
+
+    let traversal = "victim/../../../../api/v1/nodes/n";
+    let cases: Vec<(Value, &str, bool)> = vec![
+        // (request, what the error says, whether the pod may be read first)
+        (bind_args(traversal, "n"), "PodName: ", false),
+        (
+            json!({"PodName": "fine", "PodNamespace": "team-a/../kube-system", "PodUID": "uid-fine", "Node": "n"}),
+            "PodNamespace: ",
+            false,
+        ),
+        (bind_args("fine", "n/../../x"), "Node: ", false),
+        (
+            json!({"PodName": "fine", "PodNamespace": "team-a", "Node": "n"}),
+            "bind needs PodName, PodUID and Node",
+            false,
+        ),
+        (
+            json!({"PodName": "fine", "PodNamespace": "team-a", "PodUID": "uid-someone-else", "Node": "n"}),
+            "has UID uid-fine, not uid-someone-else",
+            true,
+        ),
+        (bind_args("bound", "n"), "already bound to n", true),
+        (
+            bind_args("other", "n"),
+            "belongs to scheduler \"team-scheduler\"",
+            true,
+        ),
+        (bind_args("leaving", "n"), "is being deleted", true),
+    ];
+    for (args, expected, reads) in cases {
+        let before = api.seen().len();
+        let (status, r) = post_json(addr, "/bind", &args).await;
+        assert_eq!(status, 200, "{args}");
+        let error = r["Error"].as_str().expect("Error");
+        assert!(error.contains(expected), "{args}: {error}");
+        let seen = api.seen()[before..].to_vec();
+        assert!(
+            seen.iter().all(|s| s.method == "GET"),
+            "{args}: refused binds write nothing: {seen:?}"
+        );
+        assert!(
+            reads || seen.is_empty(),
+            "{args}: checked before any request: {seen:?}"
+        );
+    }
+    assert_eq!(scorer.ledger.len(), 0, "no refused bind holds a reservation");
+
+    // The pod that passes every check still binds.
+    let (_, r) = post_json(addr, "/bind", &bind_args("fine", "n")).await;
+    assert_eq!(r["Error"], "", "{r}");
+    api.assert_all_granted();
+}

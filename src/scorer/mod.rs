@@ -96,6 +96,9 @@ pub struct Config {
     pub ledger_ttl_seconds: u64,
     /// Largest request body accepted.
     pub max_body_bytes: usize,
+    /// The kube-scheduler profiles whose pods `bind` binds (a pod's `spec.schedulerName`); a pod of
+    /// any other scheduler is refused, so a stray caller cannot make the scorer bind it.
+    pub scheduler_names: Vec<String>,
     /// The request mix the fragmentation measure protects.
     pub typical_mix: Vec<TypicalEntry>,
 }
@@ -122,6 +125,7 @@ impl Default for Config {
             online_min_priority: None,
             ledger_ttl_seconds: 120,
             max_body_bytes: 64 << 20,
+            scheduler_names: vec!["default-scheduler".into(), "gpumem-scheduler".into()],
             typical_mix: vec![
                 mem(2048, 0.15),
                 mem(4096, 0.2),
@@ -178,6 +182,9 @@ impl Config {
         }
         if self.max_body_bytes == 0 {
             anyhow::bail!("maxBodyBytes is 0");
+        }
+        if self.scheduler_names.is_empty() {
+            anyhow::bail!("schedulerNames is empty: the scorer would bind no pod");
         }
         Ok(())
     }
@@ -595,31 +602,53 @@ impl Scorer {
             .collect()
     }
 
+    /// Refuses to bind what kube-scheduler would never ask this scorer to bind: another incarnation of
+    /// the pod, a pod already bound or being deleted, a pod of a scheduler this scorer does not serve.
+    fn check_bindable(&self, pod: &Pod, args: &ExtenderBindingArgs, namespace: &str) -> Result<(), String> {
+        let name = format!("{namespace}/{}", args.pod_name);
+        let uid = pod.metadata.uid.as_deref().unwrap_or("");
+        if uid != args.pod_uid {
+            return Err(format!(
+                "pod {name} has UID {uid}, not {} (recreated?)",
+                args.pod_uid
+            ));
+        }
+        if pod.metadata.deletion_timestamp.is_some() {
+            return Err(format!("pod {name} is being deleted"));
+        }
+        let spec = pod.spec.as_ref();
+        if let Some(bound) = spec
+            .and_then(|s| s.node_name.as_deref())
+            .filter(|n| !n.is_empty())
+        {
+            return Err(format!("pod {name} is already bound to {bound}"));
+        }
+        // The API server defaults an empty schedulerName to default-scheduler.
+        let scheduler = spec
+            .and_then(|s| s.scheduler_name.as_deref())
+            .filter(|n| !n.is_empty())
+            .unwrap_or("default-scheduler");
+        if !self.config.scheduler_names.iter().any(|s| s == scheduler) {
+            return Err(format!(
+                "pod {name} belongs to scheduler {scheduler:?}, not one of {:?} (schedulerNames)",
+                self.config.scheduler_names
+            ));
+        }
+        Ok(())
+    }
+
     async fn bind_inner(&self, args: &ExtenderBindingArgs) -> Result<(), String> {
         let client = self
             .client
             .clone()
             .ok_or("this scorer has no Kubernetes client")?;
-        if args.pod_name.is_empty() || args.node.is_empty() {
-            return Err("bind needs PodName and Node".into());
-        }
-        let namespace = if args.pod_namespace.is_empty() {
-            "default"
-        } else {
-            args.pod_namespace.as_str()
-        };
+        let namespace = check_binding_args(args)?;
         let pods: Api<Pod> = Api::namespaced(client, namespace);
         let pod = pods
             .get(&args.pod_name)
             .await
             .map_err(|e| format!("reading pod {namespace}/{}: {e}", args.pod_name))?;
-        let uid = pod.metadata.uid.as_deref().unwrap_or("");
-        if !args.pod_uid.is_empty() && uid != args.pod_uid {
-            return Err(format!(
-                "pod {namespace}/{} has UID {uid}, not {} (recreated?)",
-                args.pod_name, args.pod_uid
-            ));
-        }
+        self.check_bindable(&pod, args, namespace)?;
         let demand = state::pod_demand(&pod, &self.rules)?;
         let mut reserved: Option<Reservation> = None;
         if let Some(d) = &demand {
@@ -812,12 +841,30 @@ impl Scorer {
     }
 }
 
-/// `gpumem scorer`.
 /// The pod's UID, if it has one.
 fn pod_uid(pod: Option<&Pod>) -> Option<String> {
     pod?.metadata.uid.clone().filter(|u| !u.is_empty())
 }
 
+/// What `bind` needs before it touches the API server: the names kube-scheduler sends are valid
+/// Kubernetes names (so none can reach another API path), and the UID it always sends is there.
+/// Returns the namespace.
+fn check_binding_args(args: &ExtenderBindingArgs) -> Result<&str, String> {
+    if args.pod_name.is_empty() || args.node.is_empty() || args.pod_uid.is_empty() {
+        return Err("bind needs PodName, PodUID and Node".into());
+    }
+    let namespace = if args.pod_namespace.is_empty() {
+        "default"
+    } else {
+        args.pod_namespace.as_str()
+    };
+    crate::names::check_label(namespace).map_err(|e| format!("PodNamespace: {e}"))?;
+    crate::names::check_subdomain(&args.pod_name).map_err(|e| format!("PodName: {e}"))?;
+    crate::names::check_subdomain(&args.node).map_err(|e| format!("Node: {e}"))?;
+    Ok(namespace)
+}
+
+/// `gpumem scorer`.
 pub fn run(args: &ScorerArgs) -> anyhow::Result<()> {
     let config = match &args.config {
         Some(path) => Config::load(path)?,
