@@ -109,6 +109,7 @@ fn default_values_render_the_expected_typed_objects() {
         "Deployment/\"gpumem-scorer\"",
         "Service/\"gpumem-scorer\"",
         "PodDisruptionBudget/\"gpumem-scorer\"",
+        "NetworkPolicy/\"gpumem-scorer\"",
         "ServiceAccount/\"gpumem-scheduler\"",
         "ClusterRoleBinding/\"gpumem-scheduler-kube-scheduler\"",
         "ClusterRoleBinding/\"gpumem-scheduler-volume-scheduler\"",
@@ -555,4 +556,55 @@ fn typed_parsing_catches_misspelt_fields() {
     let pm = json!({"apiVersion": "monitoring.coreos.com/v1", "kind": "PodMonitor", "metadata": {"name": "x"},
         "spec": {"selector": {}, "podMetricsEndpoints": [{"port": "m", "path": "/metrics", "interval": "30s", "scheme": "http"}]}});
     assert!(check_typed(&pm).unwrap_err().contains("scheme"));
+}
+
+/// The labels on the pods of the Deployment `name`.
+fn deployment_pod_labels(docs: &[(String, Json)], name: &str) -> Json {
+    let d: Deployment = get(docs, "Deployment", name);
+    serde_json::to_value(&d.spec.as_ref().unwrap().template.metadata).unwrap()["labels"].clone()
+}
+
+fn selects(selector: &Json, labels: &Json) -> bool {
+    selector["matchLabels"]
+        .as_object()
+        .unwrap()
+        .iter()
+        .all(|(k, v)| &labels[k] == v)
+}
+
+#[test]
+fn only_the_scheduler_and_prometheus_reach_the_scorer() {
+    // Mode second: the policy selects the scorer's pods and admits the scheduler's pods and the
+    // monitoring namespace on the scorer's port, nothing else.
+    let docs = objects(&json!({}));
+    let policy = find(&docs, "NetworkPolicy", "gpumem-scorer").unwrap();
+    let spec = &policy["spec"];
+    assert!(selects(&spec["podSelector"], &deployment_pod_labels(&docs, "gpumem-scorer")));
+    assert!(!selects(&spec["podSelector"], &deployment_pod_labels(&docs, "gpumem-scheduler")));
+    assert_eq!(spec["policyTypes"], json!(["Ingress"]));
+    let rules = spec["ingress"].as_array().unwrap();
+    assert_eq!(rules.len(), 1);
+    assert_eq!(rules[0]["ports"], json!([{"port": "http", "protocol": "TCP"}]));
+    let from = rules[0]["from"].as_array().unwrap();
+    assert_eq!(from.len(), 2, "{from:?}");
+    assert!(selects(&from[0]["podSelector"], &deployment_pod_labels(&docs, "gpumem-scheduler")));
+    assert!(from[0].get("namespaceSelector").is_none(), "the scheduler's own namespace only");
+    assert_eq!(
+        from[1],
+        json!({"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}})
+    );
+
+    // Mode none (the default scheduler on the control plane's host network): admitted by address, and
+    // no policy at all rather than one that would shut the scheduler out.
+    let none = objects(&json!({"scheduler": {"mode": "none"}}));
+    assert!(find(&none, "NetworkPolicy", "gpumem-scorer").is_none());
+    let cidrs = objects(&json!({"scheduler": {"mode": "none"},
+        "scorer": {"networkPolicy": {"schedulerCIDRs": ["10.0.0.10/32", "10.0.0.11/32"], "metricsFrom": []}}}));
+    let policy = find(&cidrs, "NetworkPolicy", "gpumem-scorer").unwrap();
+    assert_eq!(
+        policy["spec"]["ingress"][0]["from"],
+        json!([{"ipBlock": {"cidr": "10.0.0.10/32"}}, {"ipBlock": {"cidr": "10.0.0.11/32"}}])
+    );
+    let off = objects(&json!({"scorer": {"networkPolicy": {"enabled": false}}}));
+    assert!(find(&off, "NetworkPolicy", "gpumem-scorer").is_none());
 }

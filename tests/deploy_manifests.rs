@@ -46,6 +46,11 @@ fn generated() -> Vec<(&'static str, &'static str, Json)> {
             json!({}),
         ),
         (
+            "components/second-scheduler/scorer-networkpolicy.yaml",
+            "templates/scorer-networkpolicy.yaml",
+            json!({}),
+        ),
+        (
             "components/monitoring/monitoring.yaml",
             "templates/monitoring.yaml",
             monitoring.clone(),

@@ -334,7 +334,7 @@ pub fn rendered_docs(rendered: &[Rendered]) -> Vec<(String, Json)> {
 /// equal, so a misspelt or misplaced field (which serde would otherwise skip) fails. Returns the
 /// kind. CRDs and configuration kinds go through the strict structs below.
 pub fn check_typed(doc: &Json) -> Result<String, String> {
-    use k8s_openapi::api::{apps, core, policy, rbac, scheduling};
+    use k8s_openapi::api::{apps, core, networking, policy, rbac, scheduling};
     let api = doc["apiVersion"].as_str().ok_or("no apiVersion")?;
     let kind = doc["kind"].as_str().ok_or("no kind")?;
     let key = format!("{api}/{kind}");
@@ -347,6 +347,7 @@ pub fn check_typed(doc: &Json) -> Result<String, String> {
         "v1/ResourceQuota" => round_trip::<core::v1::ResourceQuota>(doc),
         "apps/v1/DaemonSet" => round_trip::<apps::v1::DaemonSet>(doc),
         "apps/v1/Deployment" => round_trip::<apps::v1::Deployment>(doc),
+        "networking.k8s.io/v1/NetworkPolicy" => round_trip::<networking::v1::NetworkPolicy>(doc),
         "policy/v1/PodDisruptionBudget" => round_trip::<policy::v1::PodDisruptionBudget>(doc),
         "rbac.authorization.k8s.io/v1/ClusterRole" => round_trip::<rbac::v1::ClusterRole>(doc),
         "rbac.authorization.k8s.io/v1/ClusterRoleBinding" => round_trip::<rbac::v1::ClusterRoleBinding>(doc),
