@@ -168,6 +168,7 @@ impl InjectFile {
             .unwrap_or_else(|e| panic!("cannot rename {} to {}: {e}", temp.display(), self.path.display()));
     }
 }
+pub mod agent;
 pub mod apiserver;
 mod cdylib;
 pub mod kubelet;
