@@ -6,6 +6,7 @@ pub mod cluster;
 pub mod config;
 pub mod enforcement;
 mod health;
+pub mod liveness;
 pub mod metrics;
 pub mod state;
 
@@ -24,6 +25,7 @@ use crate::plugin::server::{Plugin, ResourceKind};
 use cluster::Cluster;
 pub use config::{AgentArgs, Config, MemoryLimits};
 use enforcement::Enforcement;
+use liveness::Liveness;
 use state::{HealthPolicy, NodeState};
 
 /// Socket file names in the device-plugin directory.
@@ -79,11 +81,13 @@ async fn serve(config: Config) -> anyhow::Result<()> {
     }
     tokio::spawn(Arc::clone(&pod_resources).poll(config.pod_resources_poll));
     let metrics = Arc::new(metrics::AgentMetrics::new());
+    let liveness = Arc::new(Liveness::default());
     if let Some(nvml) = &nvml {
         health::spawn(
             Arc::clone(nvml),
             Arc::clone(&state),
             Arc::clone(&metrics),
+            &liveness,
             config.health_probe_interval,
         )?;
     }
@@ -123,20 +127,18 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         }
     };
 
-    if let Some(addr) = config.metrics_listen {
+    // The metrics server carries the liveness probe: an agent without it (its port taken) exits, and
+    // the DaemonSet's restart shows the error, rather than running unprobed.
+    let mut metrics_server = config.metrics_listen.map(|addr| {
         let scrape = metrics::Scrape {
             metrics: Arc::clone(&metrics),
             state: Arc::clone(&state),
             nvml: nvml.clone(),
             enforcement: enforcement.clone(),
+            liveness: Arc::clone(&liveness),
         };
-        let server = metrics::serve(addr, Arc::new(scrape));
-        tokio::spawn(async move {
-            if let Err(err) = server.await {
-                tracing::error!(error = %err, "metrics server stopped");
-            }
-        });
-    }
+        tokio::spawn(metrics::serve(addr, Arc::new(scrape)))
+    });
 
     let (shutdown_tx, shutdown_rx) = watch::channel(false);
     let mut plugins = JoinSet::new();
@@ -148,6 +150,7 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         enforcement: enforcement.clone(),
         cluster: cluster.clone(),
         metrics: Arc::clone(&metrics),
+        liveness: Arc::clone(&liveness),
     };
     plugins.spawn(registration::run(
         plugin(ResourceKind::Whole),
@@ -194,6 +197,11 @@ async fn serve(config: Config) -> anyhow::Result<()> {
             Ok(Err(err)) => Err(err),
             Err(err) => Err(anyhow::anyhow!("device plugin task failed: {err}")),
         },
+        Some(ended) = async { Some(metrics_server.as_mut()?.await) } => match ended {
+            Ok(Err(err)) => Err(err),
+            Ok(Ok(())) => Err(anyhow::anyhow!("the metrics server stopped")),
+            Err(err) => Err(anyhow::anyhow!("metrics server task failed: {err}")),
+        },
     };
     let _ = shutdown_tx.send(true);
     while plugins.join_next().await.is_some() {}
@@ -216,3 +224,4 @@ async fn forget_gone_containers(
         enforcement.forget_all_but(&live);
     }
 }
+
