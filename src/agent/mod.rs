@@ -59,6 +59,9 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         mem_unit_mib = config.mem_unit_mib,
         "GPUs discovered"
     );
+    for warning in gpus_below_one_unit(&inventory, config.mem_unit_mib, &config.mem_resource)? {
+        tracing::warn!(mem_unit_mib = config.mem_unit_mib, "{warning}");
+    }
     let state = Arc::new(NodeState::new(
         inventory,
         config.mem_unit_mib,
@@ -208,6 +211,38 @@ async fn serve(config: Config) -> anyhow::Result<()> {
     outcome
 }
 
+/// One warning per GPU whose memory is smaller than one unit (it offers no memory device); an error
+/// when that is every GPU: the agent would register a memory resource with nothing in it, and every
+/// pod asking for it would wait forever.
+fn gpus_below_one_unit(
+    inventory: &GpuInventory,
+    unit_mib: u64,
+    resource: &str,
+) -> anyhow::Result<Vec<String>> {
+    let below: Vec<_> = inventory
+        .gpus
+        .iter()
+        .filter(|g| g.memory_mib < unit_mib)
+        .collect();
+    if !below.is_empty() && below.len() == inventory.gpus.len() {
+        let largest = inventory.gpus.iter().map(|g| g.memory_mib).max().unwrap_or(0);
+        anyhow::bail!(
+            "memUnitMiB {unit_mib} is larger than every GPU on this node (the largest has {largest} MiB), \
+             so no GPU would offer a single {resource} unit; use a memUnitMiB of at most {largest}"
+        );
+    }
+    Ok(below
+        .iter()
+        .map(|g| {
+            format!(
+                "GPU {} ({}, {} MiB) is smaller than memUnitMiB {unit_mib}: it offers no {resource} unit \
+                 (only the whole GPU)",
+                g.index, g.product, g.memory_mib
+            )
+        })
+        .collect())
+}
+
 /// Removes the accounting of containers the kubelet no longer lists, as often as it is asked.
 async fn forget_gone_containers(
     enforcement: Arc<Enforcement>,
@@ -225,3 +260,32 @@ async fn forget_gone_containers(
     }
 }
 
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gpus_smaller_than_a_unit_are_named_and_a_unit_larger_than_all_is_refused() {
+        let mixed = GpuInventory::discover(&gpumem_profile::Profile::load("mixed").unwrap()).unwrap();
+        assert_eq!(
+            gpus_below_one_unit(&mixed, 15360, "x.io/mem").unwrap(),
+            Vec::<String>::new()
+        );
+        let warnings = gpus_below_one_unit(&mixed, 20000, "x.io/mem").unwrap();
+        assert_eq!(warnings.len(), 2, "{warnings:?}");
+        assert!(
+            warnings[0].starts_with("GPU 2 (Tesla T4, 15360 MiB) is smaller than memUnitMiB 20000"),
+            "{warnings:?}"
+        );
+        assert!(warnings[1].starts_with("GPU 3 "), "{warnings:?}");
+        let err = gpus_below_one_unit(&mixed, 32769, "x.io/mem")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("larger than every GPU")
+                && err.contains("at most 32768")
+                && err.contains("x.io/mem"),
+            "{err}"
+        );
+    }
+}
