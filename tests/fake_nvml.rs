@@ -327,6 +327,58 @@ fn a_lost_gpu_answers_gpu_lost_until_it_comes_back() {
 }
 
 #[test]
+fn a_hung_gpu_blocks_its_calls_only_until_released() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut inject = InjectFile::new(dir.path().join("inject.toml"));
+    let s = start("t4x4", Some(inject.path()));
+    let (d0, d1) = (
+        s.nvml.device_by_index(0).unwrap(),
+        s.nvml.device_by_index(1).unwrap(),
+    );
+    let mut set = s.nvml.create_event_set().unwrap();
+    set = d1.register_events(EventTypes::CRITICAL_XID_ERROR, set).unwrap();
+    inject.set_hung(&[0]);
+    let (done_tx, done_rx) = std::sync::mpsc::channel();
+    std::thread::scope(|scope| {
+        scope.spawn(|| {
+            let answer = d0.memory_info().map(|m| m.total);
+            let _ = done_tx.send(answer);
+        });
+        // Blocked, while the other GPU, the handle look-ups and event waits still answer. Every
+        // check is made before the release and asserted after it, so a failure cannot hang the scope.
+        let blocked = done_rx.recv_timeout(Duration::from_millis(300)).is_err();
+        let other = d1.memory_info().map(|m| m.total);
+        let lookup = s.nvml.device_by_index(0).map(|_| ());
+        let wait = set.wait(50).map(|_| ());
+        inject.set_hung(&[]);
+        let answer = done_rx.recv_timeout(Duration::from_secs(10)).expect("released");
+        assert!(blocked, "a hung GPU's call returned at once");
+        assert_eq!(other.unwrap(), 15360 * MIB);
+        assert!(lookup.is_ok());
+        assert!(matches!(wait, Err(NvmlError::Timeout)), "{wait:?}");
+        assert_eq!(answer.unwrap(), 15360 * MIB);
+    });
+}
+
+#[test]
+fn an_injected_event_wait_error_fails_every_wait_until_removed() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut inject = InjectFile::new(dir.path().join("inject.toml"));
+    let s = start("t4x4", Some(inject.path()));
+    let d2 = s.nvml.device_by_index(2).unwrap();
+    let set = s.nvml.create_event_set().unwrap();
+    let set = d2.register_events(EventTypes::CRITICAL_XID_ERROR, set).unwrap();
+    inject.set_event_wait_error(Some(999));
+    inject.push_xid(2, 48);
+    for _ in 0..2 {
+        assert!(matches!(set.wait(1_000), Err(NvmlError::Unknown)));
+    }
+    inject.set_event_wait_error(None);
+    let event = set.wait(1_000).unwrap();
+    assert!(matches!(event.event_data, Some(XidError::Value(48))));
+}
+
+#[test]
 fn injected_xid_reaches_a_waiting_event_set() {
     let dir = tempfile::tempdir().unwrap();
     let mut inject = InjectFile::new(dir.path().join("inject.toml"));

@@ -6,7 +6,9 @@
 
 mod support;
 
-use std::time::Duration;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
 use gpumem::gpu::{GpuEvent, GpuInventory, NvmlSource};
 
@@ -27,7 +29,7 @@ fn an_injected_xid_arrives_on_the_event_api() {
     let mut inject = support::InjectFile::new(dir.path().join("inject.toml"));
     let nvml = open("dgx-a100", inject.path());
     let inventory = GpuInventory::discover(&nvml).unwrap();
-    let events = nvml.health_events().unwrap();
+    let events = nvml.health_events(|| {}).unwrap();
     assert_eq!(
         events.next(Duration::from_millis(300)).unwrap(),
         None,
@@ -84,4 +86,58 @@ fn a_lost_gpu_is_reported_as_lost_and_memory_use_is_seen() {
     );
     let err = GpuInventory::discover(&nvml).unwrap_err();
     assert!(err.to_string().contains("GPU 3 has fallen off the bus"), "{err}");
+}
+
+#[test]
+fn the_watch_survives_an_nvml_error_and_says_when_it_runs() {
+    let _one_at_a_time = support::fake_nvml_lock();
+    let dir = tempfile::tempdir().unwrap();
+    let mut inject = support::InjectFile::new(dir.path().join("inject.toml"));
+    let nvml = open("t4x4", inject.path());
+    let waits = Arc::new(AtomicU64::new(0));
+    let counter = Arc::clone(&waits);
+    let events = nvml
+        .health_events(move || {
+            counter.fetch_add(1, Ordering::Relaxed);
+        })
+        .unwrap();
+    let progressing = |what: &str| {
+        let from = waits.load(Ordering::Relaxed);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while waits.load(Ordering::Relaxed) < from + 2 {
+            assert!(Instant::now() < deadline, "no progress {what}");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    };
+    progressing("at the start");
+
+    // Every wait fails: no progress while it lasts, and no event, but the thread stays.
+    inject.set_event_wait_error(Some(999));
+    std::thread::sleep(Duration::from_millis(500));
+    let stalled = waits.load(Ordering::Relaxed);
+    assert_eq!(events.next(Duration::from_millis(700)).unwrap(), None);
+    assert_eq!(
+        waits.load(Ordering::Relaxed),
+        stalled,
+        "progress while NVML fails"
+    );
+
+    inject.set_event_wait_error(None);
+    progressing("after NVML recovered");
+    inject.push_xid(3, 48);
+    let event = events
+        .next(Duration::from_secs(10))
+        .unwrap()
+        .expect("an XID after the error arrives");
+    assert!(
+        matches!(
+            event,
+            GpuEvent::Xid {
+                index: 3,
+                xid: 48,
+                ..
+            }
+        ),
+        "{event:?}"
+    );
 }

@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 use gpumem::agent::GPU_SOCKET;
 use gpumem::agent::config::DeviceListStrategy;
+use gpumem::agent::liveness::Liveness;
 use gpumem::agent::metrics::AgentMetrics;
 use gpumem::agent::state::{HealthPolicy, NodeState};
 use gpumem::gpu::GpuInventory;
@@ -65,6 +66,7 @@ fn plugin() -> Plugin {
         enforcement: None,
         cluster: None,
         metrics: Arc::new(AgentMetrics::new()),
+        liveness: Arc::new(Liveness::default()),
     }
 }
 

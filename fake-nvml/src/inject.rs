@@ -18,6 +18,10 @@ pub struct Faults {
     pub memory_used_mib: BTreeMap<u32, u64>,
     /// Critical XID events, in the order they were injected.
     pub xid: Vec<XidEvent>,
+    /// GPU indices whose per-device calls block until the GPU leaves this list (a hung GPU).
+    pub hung: Vec<u32>,
+    /// The NVML error code every `nvmlEventSetWait_v2` returns while set.
+    pub event_wait_error: Option<u32>,
 }
 
 /// One injected critical XID event.
@@ -40,6 +44,9 @@ impl Faults {
             memory_used_mib: BTreeMap<String, u64>,
             #[serde(default)]
             xid: Vec<XidEvent>,
+            #[serde(default)]
+            hung: Vec<u32>,
+            event_wait_error: Option<u32>,
         }
         let raw: Raw = toml::from_str(text).map_err(|e| e.message().to_string())?;
         let mut memory_used_mib = BTreeMap::new();
@@ -50,15 +57,25 @@ impl Faults {
                 .map_err(|_| format!("[memory_used_mib] key {key:?} is not a GPU index"))?;
             memory_used_mib.insert(gpu, mib);
         }
+        // 0 is NVML_SUCCESS; an "error" of 0 would hand back an event nobody wrote.
+        if raw.event_wait_error == Some(0) {
+            return Err("event_wait_error = 0 is NVML_SUCCESS, not an error".into());
+        }
         Ok(Self {
             lost: raw.lost,
             memory_used_mib,
             xid: raw.xid,
+            hung: raw.hung,
+            event_wait_error: raw.event_wait_error,
         })
     }
 
     pub fn is_lost(&self, gpu: u32) -> bool {
         self.lost.contains(&gpu)
+    }
+
+    pub fn is_hung(&self, gpu: u32) -> bool {
+        self.hung.contains(&gpu)
     }
 
     pub fn memory_used_mib(&self, gpu: u32) -> u64 {
@@ -143,9 +160,12 @@ mod tests {
 
     #[test]
     fn parses_the_documented_example() {
-        let text = "lost = [3]\n[memory_used_mib]\n\"0\" = 2048\n[[xid]]\ngpu = 1\nxid = 79\n";
+        let text = "lost = [3]\nhung = [2]\nevent_wait_error = 999\n[memory_used_mib]\n\"0\" = 2048\n\
+                    [[xid]]\ngpu = 1\nxid = 79\n";
         let faults = Faults::parse(text).unwrap();
         assert!(faults.is_lost(3) && !faults.is_lost(0));
+        assert!(faults.is_hung(2) && !faults.is_hung(3));
+        assert_eq!(faults.event_wait_error, Some(999));
         assert_eq!(faults.memory_used_mib(0), 2048);
         assert_eq!(faults.memory_used_mib(1), 0);
         assert_eq!(faults.xid, vec![XidEvent { gpu: 1, xid: 79 }]);
@@ -157,5 +177,6 @@ mod tests {
         assert!(Faults::parse("lots = [1]").is_err());
         assert!(Faults::parse("[memory_used_mib]\nzero = 1").is_err());
         assert!(Faults::parse("[[xid]]\ngpu = 1").is_err());
+        assert!(Faults::parse("event_wait_error = 0").is_err());
     }
 }

@@ -33,10 +33,17 @@
 //!                            # nvmlDeviceGetCount_v2 still counts it
 //! [memory_used_mib]          # memory in use per GPU index (default 0); nvmlDeviceGetMemoryInfo*
 //! "0" = 2048                 # report used = this, free = total - used (reserved = 0)
+//! hung = [2]                 # GPU indices that hang: every call that takes the device (handle
+//!                            # look-ups excluded) blocks until the GPU leaves this list
+//! event_wait_error = 999     # while present, nvmlEventSetWait_v2 returns this NVML error code at
+//!                            # once (999: NVML_ERROR_UNKNOWN); remove it and waits work again
 //! [[xid]]                    # critical XID events, delivered once each, in order, to every
 //! gpu = 1                    # event set that registered nvmlEventTypeXidCriticalError on that GPU
 //! xid = 79
 //! ```
+//!
+//! A hung call holds no lock while it blocks (it looks at the inject file every 10 ms), so calls
+//! about other GPUs, and event waits, go on answering.
 //!
 //! Every field is optional; unknown fields make the file invalid.
 //!
@@ -351,8 +358,27 @@ fn with_node<T>(f: impl FnOnce(&mut Node) -> Res<T>) -> Res<T> {
     f(node)
 }
 
-/// A per-device call: initialised, valid handle, GPU not lost.
+/// Blocks, without the lock, while any of `devices` is a hung GPU.
+fn wait_while_hung(devices: &[nvmlDevice_t]) -> Res<()> {
+    loop {
+        let hung = with_node(|node| {
+            let gpus = devices
+                .iter()
+                .map(|&d| Ok(node.profile.gpus[node.index_of(d)?].index))
+                .collect::<Res<Vec<u32>>>()?;
+            let faults = node.inject.current();
+            Ok(gpus.into_iter().any(|gpu| faults.is_hung(gpu)))
+        })?;
+        if !hung {
+            return Ok(());
+        }
+        std::thread::sleep(POLL);
+    }
+}
+
+/// A per-device call: initialised, valid handle, GPU not lost (waiting while it is hung).
 fn with_gpu<T>(device: nvmlDevice_t, f: impl FnOnce(&Gpu<'_>) -> Res<T>) -> Res<T> {
+    wait_while_hung(&[device])?;
     with_node(|node| {
         let index = node.index_of(device)?;
         let faults = node.inject.current();
@@ -367,6 +393,7 @@ fn with_gpu_pair<T>(
     b: nvmlDevice_t,
     f: impl FnOnce(&Gpu<'_>, &Gpu<'_>) -> Res<T>,
 ) -> Res<T> {
+    wait_while_hung(&[a, b])?;
     with_node(|node| {
         let (ia, ib) = (node.index_of(a)?, node.index_of(b)?);
         let faults = node.inject.current();
@@ -1110,6 +1137,9 @@ fn next_event(node: &mut Node, set: nvmlEventSet_t) -> Res<Option<nvmlEventData_
         .iter_mut()
         .find(|s| s.handle() == set)
         .ok_or(INVALID_ARGUMENT)?;
+    if let Some(code) = faults.event_wait_error {
+        return Err(code);
+    }
     let event = |gpu: u32, xid: u64| nvmlEventData_t {
         device: handle(gpu as usize),
         eventType: XID_EVENT,
@@ -1138,7 +1168,8 @@ fn next_event(node: &mut Node, set: nvmlEventSet_t) -> Res<Option<nvmlEventData_
     Ok(None)
 }
 
-/// Blocks up to `timeoutms`, looking for an event every 10 ms; `NVML_ERROR_TIMEOUT` if none came.
+/// Blocks up to `timeoutms`, looking for an event every 10 ms; `NVML_ERROR_TIMEOUT` if none came,
+/// the injected `event_wait_error` at once while there is one.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn nvmlEventSetWait_v2(
     set: nvmlEventSet_t,

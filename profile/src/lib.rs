@@ -312,9 +312,16 @@ impl RawProfile {
         if self.gpus.is_empty() {
             return Err("a profile needs at least one [[gpus]] entry".into());
         }
-        let cuda_version = parse_major_minor(&self.cuda_version)
-            .map(|(major, minor)| (major * 1000 + minor * 10) as i32)
+        let (major, minor) = parse_major_minor(&self.cuda_version)
             .ok_or_else(|| format!("cuda_version {:?} is not MAJOR.MINOR", self.cuda_version))?;
+        let cuda_version = nvml_cuda_version(major, minor).ok_or_else(|| {
+            format!(
+                "cuda_version {:?} is out of range: NVML encodes it as 1000 * major + 10 * minor in a \
+                 32-bit signed integer, so minor must be below 100 and the total at most {}",
+                self.cuda_version,
+                i32::MAX
+            )
+        })?;
         let mut gpus = Vec::with_capacity(self.gpus.len());
         for (i, raw) in self.gpus.iter().enumerate() {
             let index = i as u32;
@@ -407,6 +414,16 @@ fn check_unique<'a>(values: impl Iterator<Item = &'a str>, what: &str) -> Result
         }
     }
     Ok(())
+}
+
+/// NVML's form of a CUDA version, 1000 * major + 10 * minor; None where it does not fit (a minor
+/// of 100 would read back as the next major).
+fn nvml_cuda_version(major: u32, minor: u32) -> Option<i32> {
+    if minor >= 100 {
+        return None;
+    }
+    let encoded = major.checked_mul(1000)?.checked_add(minor * 10)?;
+    i32::try_from(encoded).ok()
 }
 
 fn parse_major_minor(text: &str) -> Option<(u32, u32)> {
@@ -515,5 +532,26 @@ mod tests {
             Profile::parse(typo, "inline"),
             Err(ProfileError::Parse { .. })
         ));
+    }
+
+    #[test]
+    fn a_cuda_version_nvml_cannot_encode_is_an_error() {
+        let with = |cuda: &str| {
+            let text = format!(
+                "name='x'\ndriver_version='1'\ncuda_version='{cuda}'\n[[gpus]]\nproduct='A'\n\
+                 memory_mib=1\ncompute_capability='8.0'\n"
+            );
+            Profile::parse(&text, "inline").map(|p| p.cuda_version)
+        };
+        assert_eq!(with("12.4").unwrap(), 12040);
+        assert_eq!(with("2147483.64").unwrap(), i32::MAX - 7);
+        // Overflows u32 arithmetic, then i32, then the minor's two digits.
+        for cuda in ["4294968.0", "2147484.0", "2147483.65", "12.100"] {
+            let err = with(cuda).unwrap_err().to_string();
+            assert!(
+                err.contains("out of range") && err.contains(cuda),
+                "{cuda}: {err}"
+            );
+        }
     }
 }

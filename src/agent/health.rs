@@ -4,19 +4,27 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::gpu::{GpuEvent, NvmlSource};
+use crate::gpu::{EVENT_RETRY_MAX, GpuEvent, NvmlSource};
 
+use super::liveness::Liveness;
 use super::metrics::AgentMetrics;
 use super::state::NodeState;
 
-/// Starts the XID watch and the probe, each on its own thread (NVML calls block).
+/// The XID watch is not alive once NVML has failed it for this long: three tries in a row at the
+/// longest pause between tries. A running watch makes progress every 200 ms.
+pub const XID_WATCH_MAX_SILENCE: Duration = EVENT_RETRY_MAX.saturating_mul(3);
+
+/// Starts the XID watch and the probe, each on its own thread (NVML calls block). The XID watch
+/// reports to `liveness`; the probe does not (a hung GPU blocks it, and must not cost the agent).
 pub fn spawn(
     nvml: Arc<NvmlSource>,
     state: Arc<NodeState>,
     metrics: Arc<AgentMetrics>,
+    liveness: &Arc<Liveness>,
     probe_interval: Duration,
 ) -> anyhow::Result<()> {
-    let events = nvml.health_events()?;
+    let heartbeat = liveness.lasting("XID watch", XID_WATCH_MAX_SILENCE);
+    let events = nvml.health_events(move || heartbeat.beat())?;
     let position = {
         let state = Arc::clone(&state);
         move |index: u32| state.inventory.gpus.iter().position(|g| g.index == index)
@@ -42,7 +50,7 @@ pub fn spawn(
                     // NVML could not say which GPU: the next probe finds it.
                     Ok(Some(GpuEvent::Lost { index: None })) | Ok(None) => {}
                     Err(err) => {
-                        tracing::error!(error = %err, "XID watch ended; lost-GPU probes go on");
+                        tracing::error!(error = %err, "XID watch thread ended; lost-GPU probes go on");
                         return;
                     }
                 }

@@ -1,4 +1,5 @@
-//! The agent's Prometheus metrics, served on `--metrics-listen` at `/metrics` (with `/healthz`).
+//! The agent's Prometheus metrics, served on `--metrics-listen` at `/metrics`, and `/healthz`: whether
+//! the agent's own loops are alive ([`Liveness`]; no NVML call, so a hung GPU cannot fail it).
 //!
 //! Per GPU: memory total, allocated through the two resources, and used (as NVML sees it, and as
 //! the shim counts it in the containers); utilization, temperature, power; health, XIDs, pods.
@@ -21,6 +22,7 @@ use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
 use super::enforcement::Enforcement;
+use super::liveness::Liveness;
 use super::state::NodeState;
 use crate::gpu::NvmlSource;
 use crate::node::GpuMode;
@@ -332,6 +334,7 @@ pub struct Scrape {
     pub state: Arc<NodeState>,
     pub nvml: Option<Arc<NvmlSource>>,
     pub enforcement: Option<Arc<Enforcement>>,
+    pub liveness: Arc<Liveness>,
 }
 
 /// Serves `/metrics` and `/healthz` on `addr` until the process ends.
@@ -380,7 +383,15 @@ async fn answer(path: &str, scrape: Arc<Scrape>) -> Response<Full<Bytes>> {
                 text,
             )
         }
-        "/healthz" => (StatusCode::OK, "text/plain", "ok\n".to_string()),
+        "/healthz" => {
+            let verdict = scrape.liveness.check();
+            let status = if verdict.alive {
+                StatusCode::OK
+            } else {
+                StatusCode::SERVICE_UNAVAILABLE
+            };
+            (status, "text/plain; charset=utf-8", verdict.report)
+        }
         _ => (
             StatusCode::NOT_FOUND,
             "text/plain",

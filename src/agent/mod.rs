@@ -6,6 +6,7 @@ pub mod cluster;
 pub mod config;
 pub mod enforcement;
 mod health;
+pub mod liveness;
 pub mod metrics;
 pub mod state;
 
@@ -24,6 +25,7 @@ use crate::plugin::server::{Plugin, ResourceKind};
 use cluster::Cluster;
 pub use config::{AgentArgs, Config, MemoryLimits};
 use enforcement::Enforcement;
+use liveness::Liveness;
 use state::{HealthPolicy, NodeState};
 
 /// Socket file names in the device-plugin directory.
@@ -57,6 +59,9 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         mem_unit_mib = config.mem_unit_mib,
         "GPUs discovered"
     );
+    for warning in gpus_below_one_unit(&inventory, config.mem_unit_mib, &config.mem_resource)? {
+        tracing::warn!(mem_unit_mib = config.mem_unit_mib, "{warning}");
+    }
     let state = Arc::new(NodeState::new(
         inventory,
         config.mem_unit_mib,
@@ -79,11 +84,13 @@ async fn serve(config: Config) -> anyhow::Result<()> {
     }
     tokio::spawn(Arc::clone(&pod_resources).poll(config.pod_resources_poll));
     let metrics = Arc::new(metrics::AgentMetrics::new());
+    let liveness = Arc::new(Liveness::default());
     if let Some(nvml) = &nvml {
         health::spawn(
             Arc::clone(nvml),
             Arc::clone(&state),
             Arc::clone(&metrics),
+            &liveness,
             config.health_probe_interval,
         )?;
     }
@@ -123,20 +130,18 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         }
     };
 
-    if let Some(addr) = config.metrics_listen {
+    // The metrics server carries the liveness probe: an agent without it (its port taken) exits, and
+    // the DaemonSet's restart shows the error, rather than running unprobed.
+    let mut metrics_server = config.metrics_listen.map(|addr| {
         let scrape = metrics::Scrape {
             metrics: Arc::clone(&metrics),
             state: Arc::clone(&state),
             nvml: nvml.clone(),
             enforcement: enforcement.clone(),
+            liveness: Arc::clone(&liveness),
         };
-        let server = metrics::serve(addr, Arc::new(scrape));
-        tokio::spawn(async move {
-            if let Err(err) = server.await {
-                tracing::error!(error = %err, "metrics server stopped");
-            }
-        });
-    }
+        tokio::spawn(metrics::serve(addr, Arc::new(scrape)))
+    });
 
     let (shutdown_tx, shutdown_rx) = watch::channel(false);
     let mut plugins = JoinSet::new();
@@ -148,6 +153,7 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         enforcement: enforcement.clone(),
         cluster: cluster.clone(),
         metrics: Arc::clone(&metrics),
+        liveness: Arc::clone(&liveness),
     };
     plugins.spawn(registration::run(
         plugin(ResourceKind::Whole),
@@ -194,10 +200,47 @@ async fn serve(config: Config) -> anyhow::Result<()> {
             Ok(Err(err)) => Err(err),
             Err(err) => Err(anyhow::anyhow!("device plugin task failed: {err}")),
         },
+        Some(ended) = async { Some(metrics_server.as_mut()?.await) } => match ended {
+            Ok(Err(err)) => Err(err),
+            Ok(Ok(())) => Err(anyhow::anyhow!("the metrics server stopped")),
+            Err(err) => Err(anyhow::anyhow!("metrics server task failed: {err}")),
+        },
     };
     let _ = shutdown_tx.send(true);
     while plugins.join_next().await.is_some() {}
     outcome
+}
+
+/// One warning per GPU whose memory is smaller than one unit (it offers no memory device); an error
+/// when that is every GPU: the agent would register a memory resource with nothing in it, and every
+/// pod asking for it would wait forever.
+fn gpus_below_one_unit(
+    inventory: &GpuInventory,
+    unit_mib: u64,
+    resource: &str,
+) -> anyhow::Result<Vec<String>> {
+    let below: Vec<_> = inventory
+        .gpus
+        .iter()
+        .filter(|g| g.memory_mib < unit_mib)
+        .collect();
+    if !below.is_empty() && below.len() == inventory.gpus.len() {
+        let largest = inventory.gpus.iter().map(|g| g.memory_mib).max().unwrap_or(0);
+        anyhow::bail!(
+            "memUnitMiB {unit_mib} is larger than every GPU on this node (the largest has {largest} MiB), \
+             so no GPU would offer a single {resource} unit; use a memUnitMiB of at most {largest}"
+        );
+    }
+    Ok(below
+        .iter()
+        .map(|g| {
+            format!(
+                "GPU {} ({}, {} MiB) is smaller than memUnitMiB {unit_mib}: it offers no {resource} unit \
+                 (only the whole GPU)",
+                g.index, g.product, g.memory_mib
+            )
+        })
+        .collect())
 }
 
 /// Removes the accounting of containers the kubelet no longer lists, as often as it is asked.
@@ -214,5 +257,35 @@ async fn forget_gone_containers(
             .map(|(gpu, unit)| Enforcement::allocation_name(gpu, &[unit]))
             .collect();
         enforcement.forget_all_but(&live);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gpus_smaller_than_a_unit_are_named_and_a_unit_larger_than_all_is_refused() {
+        let mixed = GpuInventory::discover(&gpumem_profile::Profile::load("mixed").unwrap()).unwrap();
+        assert_eq!(
+            gpus_below_one_unit(&mixed, 15360, "x.io/mem").unwrap(),
+            Vec::<String>::new()
+        );
+        let warnings = gpus_below_one_unit(&mixed, 20000, "x.io/mem").unwrap();
+        assert_eq!(warnings.len(), 2, "{warnings:?}");
+        assert!(
+            warnings[0].starts_with("GPU 2 (Tesla T4, 15360 MiB) is smaller than memUnitMiB 20000"),
+            "{warnings:?}"
+        );
+        assert!(warnings[1].starts_with("GPU 3 "), "{warnings:?}");
+        let err = gpus_below_one_unit(&mixed, 32769, "x.io/mem")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("larger than every GPU")
+                && err.contains("at most 32768")
+                && err.contains("x.io/mem"),
+            "{err}"
+        );
     }
 }

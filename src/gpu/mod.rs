@@ -11,7 +11,7 @@ mod profile;
 
 pub use gpumem_profile::TopologyLevel;
 pub use inventory::{GpuInfo, GpuInventory, NvLinkPeer};
-pub use nvml::{GpuEvent, HealthEvents, NvmlSource, Telemetry, numa_node_from_sysfs};
+pub use nvml::{EVENT_RETRY_MAX, GpuEvent, HealthEvents, NvmlSource, Telemetry, numa_node_from_sysfs};
 
 /// Why GPU facts could not be read.
 #[derive(Debug, thiserror::Error)]

@@ -4,13 +4,13 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use nvml_wrapper::bitmasks::event::EventTypes;
 use nvml_wrapper::enum_wrappers::device::{TemperatureSensor, TopologyLevel as NvmlLevel};
 use nvml_wrapper::enums::event::XidError;
 use nvml_wrapper::error::NvmlError;
-use nvml_wrapper::{Device, Nvml};
+use nvml_wrapper::{Device, EventSet, Nvml};
 
 use super::{GpuError, GpuInfo, GpuSource, NvLinkEnd, TopologyLevel};
 
@@ -95,8 +95,12 @@ impl NvmlSource {
     }
 
     /// Starts watching for critical XID events on every GPU. Events arrive on the returned channel
-    /// from a background thread until the [`HealthEvents`] is dropped.
-    pub fn health_events(&self) -> Result<HealthEvents, GpuError> {
+    /// from a background thread until the [`HealthEvents`] is dropped. `progress` is called whenever
+    /// a wait for events returns (an event, or nothing within 200 ms): the watch is running. When
+    /// NVML fails, the thread logs (at a bounded rate), waits with backoff up to [`EVENT_RETRY_MAX`]
+    /// and sets the watch up again; `progress` is not called meanwhile. Only a failure to set it up
+    /// the first time is an error here.
+    pub fn health_events(&self, progress: impl Fn() + Send + 'static) -> Result<HealthEvents, GpuError> {
         let nvml = Arc::clone(&self.nvml);
         let stop = Arc::new(AtomicBool::new(false));
         let (events_tx, events_rx) = mpsc::channel();
@@ -104,7 +108,7 @@ impl NvmlSource {
         let thread_stop = Arc::clone(&stop);
         std::thread::Builder::new()
             .name("nvml-events".into())
-            .spawn(move || watch_events(&nvml, &thread_stop, &ready_tx, &events_tx))
+            .spawn(move || watch_events(&nvml, &thread_stop, &ready_tx, &events_tx, &progress))
             .map_err(|e| GpuError::Nvml {
                 call: "event thread",
                 message: e.to_string(),
@@ -149,7 +153,7 @@ pub struct HealthEvents {
 
 impl HealthEvents {
     /// The next event, waiting at most `timeout` (`Ok(None)`: nothing happened). An error means the
-    /// watch has ended (NVML failed); no event will come any more.
+    /// watcher thread has ended (it does not end on NVML errors); no event will come any more.
     pub fn next(&self, timeout: Duration) -> Result<Option<GpuEvent>, GpuError> {
         match self.events.recv_timeout(timeout) {
             Ok(event) => Ok(Some(event)),
@@ -170,76 +174,173 @@ impl Drop for HealthEvents {
 
 /// How long one NVML wait blocks before the watcher checks whether it should stop.
 const EVENT_POLL_MS: u32 = 200;
+/// The first pause after NVML failed the watch; it doubles with each failure in a row.
+const EVENT_RETRY_FIRST: Duration = Duration::from_millis(200);
+/// The longest pause between two attempts to set the watch up again.
+pub const EVENT_RETRY_MAX: Duration = Duration::from_secs(10);
+/// While NVML keeps failing the watch, one log line per this period at most.
+const EVENT_FAILURE_LOG_EVERY: Duration = Duration::from_secs(60);
+
+/// An event set registered for critical XIDs on every GPU that reports them.
+struct Watch<'n> {
+    set: EventSet<'n>,
+    uuids: Vec<String>,
+}
+
+fn set_up(nvml: &Nvml) -> Result<Watch<'_>, GpuError> {
+    let mut set = nvml
+        .create_event_set()
+        .map_err(|e| nvml_error("nvmlEventSetCreate", None, e))?;
+    let count = nvml
+        .device_count()
+        .map_err(|e| nvml_error("nvmlDeviceGetCount", None, e))?;
+    let mut uuids = Vec::with_capacity(count as usize);
+    for index in 0..count {
+        let device = nvml
+            .device_by_index(index)
+            .map_err(|e| nvml_error("nvmlDeviceGetHandleByIndex", Some(index), e))?;
+        let uuid = device
+            .uuid()
+            .map_err(|e| nvml_error("nvmlDeviceGetUUID", Some(index), e))?;
+        let supported = device.supported_event_types().unwrap_or(EventTypes::empty());
+        if supported.contains(EventTypes::CRITICAL_XID_ERROR) {
+            set = device
+                .register_events(EventTypes::CRITICAL_XID_ERROR, set)
+                .map_err(|e| nvml_error("nvmlDeviceRegisterEvents", Some(index), e.error))?;
+        } else {
+            tracing::warn!(index, %uuid, "GPU does not report XID events; only lost-GPU checks apply");
+        }
+        uuids.push(uuid);
+    }
+    Ok(Watch { set, uuids })
+}
+
+/// NVML failing the watch several times in a row: the pause before the next try, and what to log.
+struct Failures {
+    since: Instant,
+    count: u64,
+    last_logged: Instant,
+    pause: Duration,
+}
+
+impl Failures {
+    /// Counts one failure (logging the first, then at most one line per period) and returns how long
+    /// to wait before trying again.
+    fn record(this: &mut Option<Self>, err: &GpuError) -> Duration {
+        let now = Instant::now();
+        let Some(failures) = this else {
+            tracing::error!(
+                error = %err,
+                retry_in_ms = EVENT_RETRY_FIRST.as_millis() as u64,
+                "XID watch: NVML failed; setting it up again with backoff (no XID is seen meanwhile; \
+                 lost-GPU probes go on)"
+            );
+            *this = Some(Self {
+                since: now,
+                count: 1,
+                last_logged: now,
+                pause: EVENT_RETRY_FIRST,
+            });
+            return EVENT_RETRY_FIRST;
+        };
+        failures.count += 1;
+        failures.pause = failures.pause.saturating_mul(2).min(EVENT_RETRY_MAX);
+        if now.duration_since(failures.last_logged) >= EVENT_FAILURE_LOG_EVERY {
+            failures.last_logged = now;
+            tracing::error!(
+                error = %err,
+                failures = failures.count,
+                failing_for_s = now.duration_since(failures.since).as_secs(),
+                "XID watch: NVML still failing; retrying"
+            );
+        }
+        failures.pause
+    }
+
+    /// A wait returned: the watch runs again.
+    fn recovered(this: &mut Option<Self>) {
+        if let Some(failures) = this.take() {
+            tracing::info!(
+                failures = failures.count,
+                after_ms = failures.since.elapsed().as_millis() as u64,
+                "XID watch: running again"
+            );
+        }
+    }
+}
+
+/// Sleeps `pause` in steps of one poll, returning early once `stop` is set.
+fn pause_unless_stopped(pause: Duration, stop: &AtomicBool) {
+    let deadline = Instant::now() + pause;
+    while !stop.load(Ordering::Relaxed) {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return;
+        }
+        std::thread::sleep(left.min(Duration::from_millis(u64::from(EVENT_POLL_MS))));
+    }
+}
 
 fn watch_events(
     nvml: &Nvml,
     stop: &AtomicBool,
     ready: &mpsc::SyncSender<Result<(), GpuError>>,
     events: &mpsc::Sender<GpuEvent>,
+    progress: &dyn Fn(),
 ) {
-    let setup = || -> Result<_, GpuError> {
-        let mut set = nvml
-            .create_event_set()
-            .map_err(|e| nvml_error("nvmlEventSetCreate", None, e))?;
-        let count = nvml
-            .device_count()
-            .map_err(|e| nvml_error("nvmlDeviceGetCount", None, e))?;
-        let mut uuids = Vec::with_capacity(count as usize);
-        for index in 0..count {
-            let device = nvml
-                .device_by_index(index)
-                .map_err(|e| nvml_error("nvmlDeviceGetHandleByIndex", Some(index), e))?;
-            let uuid = device
-                .uuid()
-                .map_err(|e| nvml_error("nvmlDeviceGetUUID", Some(index), e))?;
-            let supported = device.supported_event_types().unwrap_or(EventTypes::empty());
-            if supported.contains(EventTypes::CRITICAL_XID_ERROR) {
-                set = device
-                    .register_events(EventTypes::CRITICAL_XID_ERROR, set)
-                    .map_err(|e| nvml_error("nvmlDeviceRegisterEvents", Some(index), e.error))?;
-            } else {
-                tracing::warn!(index, %uuid, "GPU does not report XID events; only lost-GPU checks apply");
-            }
-            uuids.push(uuid);
-        }
-        Ok((set, uuids))
-    };
-    let (set, uuids) = match setup() {
-        Ok(ok) => {
+    let mut watch = match set_up(nvml) {
+        Ok(watch) => {
             let _ = ready.send(Ok(()));
-            ok
+            Some(watch)
         }
         Err(err) => {
             let _ = ready.send(Err(err));
             return;
         }
     };
+    let mut failures = None;
     while !stop.load(Ordering::Relaxed) {
-        let event = match set.wait(EVENT_POLL_MS) {
+        let Some(current) = &watch else {
+            match set_up(nvml) {
+                Ok(fresh) => watch = Some(fresh),
+                Err(err) => pause_unless_stopped(Failures::record(&mut failures, &err), stop),
+            }
+            continue;
+        };
+        let event = match current.set.wait(EVENT_POLL_MS) {
             Ok(data) => {
                 let uuid = data.device.uuid().ok();
-                let index = uuid.as_ref().and_then(|u| uuids.iter().position(|x| x == u));
+                let index = uuid
+                    .as_ref()
+                    .and_then(|u| current.uuids.iter().position(|x| x == u));
                 let xid = match data.event_data {
                     Some(XidError::Value(xid)) => xid,
                     _ => 0,
                 };
                 match (index, uuid) {
-                    (Some(index), Some(uuid)) => GpuEvent::Xid {
+                    (Some(index), Some(uuid)) => Some(GpuEvent::Xid {
                         index: index as u32,
                         uuid,
                         xid,
-                    },
-                    _ => GpuEvent::Lost { index: None },
+                    }),
+                    _ => Some(GpuEvent::Lost { index: None }),
                 }
             }
-            Err(NvmlError::Timeout) => continue,
-            Err(NvmlError::GpuLost) => GpuEvent::Lost { index: None },
+            Err(NvmlError::Timeout) => None,
+            Err(NvmlError::GpuLost) => Some(GpuEvent::Lost { index: None }),
             Err(err) => {
-                tracing::error!(error = %err, "NVML event wait failed; stopping the XID watch");
-                return;
+                // A set NVML failed may not work again: drop it and set up a new one after the pause.
+                watch = None;
+                let err = nvml_error("nvmlEventSetWait_v2", None, err);
+                pause_unless_stopped(Failures::record(&mut failures, &err), stop);
+                continue;
             }
         };
-        if events.send(event).is_err() {
+        Failures::recovered(&mut failures);
+        progress();
+        if let Some(event) = event
+            && events.send(event).is_err()
+        {
             return;
         }
     }

@@ -24,13 +24,18 @@ const WATCH_INTERVAL: Duration = Duration::from_millis(100);
 const REGISTER_RETRY: Duration = Duration::from_millis(250);
 /// One registration attempt may take this long (the kubelet dials back before it answers).
 const REGISTER_TIMEOUT: Duration = Duration::from_secs(10);
+/// The loop makes progress on each watch tick while registered, and registering again after a
+/// kubelet restart takes at most one attempt and one pause: twice that without progress, it is stuck.
+pub const REGISTRATION_MAX_SILENCE: Duration =
+    REGISTER_TIMEOUT.saturating_add(REGISTER_RETRY).saturating_mul(2);
 
 fn inode(path: &Path) -> Option<u64> {
     std::fs::metadata(path).ok().map(|m| m.ino())
 }
 
 /// Serves `plugin` as `socket_name` in `dir` and keeps it registered until `shutdown` turns true;
-/// then removes its socket.
+/// then removes its socket. Progress (registered, and watching) beats `registration <resource>` in
+/// the plugin's liveness; retrying a kubelet that does not answer is not progress.
 pub async fn run(
     plugin: Plugin,
     dir: PathBuf,
@@ -43,6 +48,9 @@ pub async fn run(
     };
     let socket = dir.join(&socket_name);
     let kubelet = dir.join(KUBELET_SOCKET);
+    let heartbeat = plugin
+        .liveness
+        .lasting(format!("registration {resource}"), REGISTRATION_MAX_SILENCE);
     loop {
         // A socket left by a previous run (or a crashed one) would make bind fail.
         let _ = std::fs::remove_file(&socket);
@@ -72,6 +80,7 @@ pub async fn run(
             match register(&kubelet, &socket_name, &resource).await {
                 Ok(()) => {
                     kubelet_inode = inode(&kubelet);
+                    heartbeat.beat();
                     plugin.metrics.set_registered(&resource, true);
                     tracing::info!(%resource, "registered with the kubelet");
                 }
@@ -91,6 +100,7 @@ pub async fn run(
                 () = tokio::time::sleep(WATCH_INTERVAL) => {}
                 _ = shutdown.changed() => {}
             }
+            heartbeat.beat();
             if inode(&socket) != ours {
                 tracing::info!(%resource, "plugin socket removed (kubelet restart): serving and registering again");
                 break;

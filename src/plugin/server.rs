@@ -4,6 +4,7 @@
 use std::collections::HashMap;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::time::Duration;
 
 use prost::Message as _;
 use tokio_stream::Stream;
@@ -21,6 +22,7 @@ use super::proto::v1beta1::{
 use crate::agent::cluster::Cluster;
 use crate::agent::config::DeviceListStrategy;
 use crate::agent::enforcement::Enforcement;
+use crate::agent::liveness::Liveness;
 use crate::agent::metrics::AgentMetrics;
 use crate::agent::state::{NodeState, RequestError};
 
@@ -50,7 +52,13 @@ pub struct Plugin {
     /// Present when the agent talks to the API server (to honour the scorer's GPU choice).
     pub cluster: Option<Arc<Cluster>>,
     pub metrics: Arc<AgentMetrics>,
+    /// Where the registration loop and each ListAndWatch stream report progress (`/healthz`).
+    pub liveness: Arc<Liveness>,
 }
+
+/// An idle ListAndWatch stream makes progress this often; one silent for three ticks is stuck
+/// (sending into a stream the kubelet does not read).
+const LIST_AND_WATCH_TICK: Duration = Duration::from_secs(10);
 
 /// Environment variable telling the container runtime (and CUDA) which GPUs the container sees.
 pub const VISIBLE_DEVICES_ENV: &str = "NVIDIA_VISIBLE_DEVICES";
@@ -181,9 +189,14 @@ impl DevicePlugin for Plugin {
         let (tx, rx) = tokio::sync::mpsc::channel(4);
         let plugin = self.clone();
         let mut changes = self.state.subscribe();
+        let heartbeat = self.liveness.transient(
+            format!("ListAndWatch {}", self.resource()),
+            LIST_AND_WATCH_TICK.saturating_mul(3),
+        );
         tokio::spawn(async move {
             let mut last_sent: Option<Vec<bool>> = None;
             loop {
+                heartbeat.beat();
                 let offered = plugin.offered();
                 if last_sent.as_ref() != Some(&offered) {
                     let response = ListAndWatchResponse {
@@ -206,9 +219,12 @@ impl DevicePlugin for Plugin {
                     }
                     last_sent = Some(offered);
                 }
-                tokio::select! {
-                    changed = changes.changed() => if changed.is_err() { return },
-                    () = tx.closed() => return,
+                loop {
+                    tokio::select! {
+                        changed = changes.changed() => if changed.is_err() { return } else { break },
+                        () = tx.closed() => return,
+                        () = tokio::time::sleep(LIST_AND_WATCH_TICK) => heartbeat.beat(),
+                    }
                 }
             }
         });

@@ -76,6 +76,8 @@ pub struct InjectFile {
     lost: Vec<u32>,
     memory_used_mib: BTreeMap<u32, u64>,
     xid: Vec<(u32, u64)>,
+    hung: Vec<u32>,
+    event_wait_error: Option<u32>,
 }
 
 #[allow(dead_code)]
@@ -87,6 +89,8 @@ impl InjectFile {
             lost: Vec::new(),
             memory_used_mib: BTreeMap::new(),
             xid: Vec::new(),
+            hung: Vec::new(),
+            event_wait_error: None,
         };
         file.write();
         file
@@ -108,6 +112,18 @@ impl InjectFile {
         self.write();
     }
 
+    /// These GPU indices (and only these) hang from now on: calls about them block until released.
+    pub fn set_hung(&mut self, gpus: &[u32]) {
+        self.hung = gpus.to_vec();
+        self.write();
+    }
+
+    /// Every `nvmlEventSetWait_v2` fails with this NVML error code from now on (None: waits work).
+    pub fn set_event_wait_error(&mut self, code: Option<u32>) {
+        self.event_wait_error = code;
+        self.write();
+    }
+
     /// Appends a critical XID event on GPU `gpu`; every event set registered for it delivers it once.
     pub fn push_xid(&mut self, gpu: u32, xid: u64) {
         self.xid.push((gpu, xid));
@@ -119,6 +135,11 @@ impl InjectFile {
         let mut text = String::new();
         let lost: Vec<String> = self.lost.iter().map(u32::to_string).collect();
         let _ = writeln!(text, "lost = [{}]", lost.join(", "));
+        let hung: Vec<String> = self.hung.iter().map(u32::to_string).collect();
+        let _ = writeln!(text, "hung = [{}]", hung.join(", "));
+        if let Some(code) = self.event_wait_error {
+            let _ = writeln!(text, "event_wait_error = {code}");
+        }
         text.push_str("\n[memory_used_mib]\n");
         for (gpu, mib) in &self.memory_used_mib {
             let _ = writeln!(text, "\"{gpu}\" = {mib}");
@@ -147,6 +168,7 @@ impl InjectFile {
             .unwrap_or_else(|e| panic!("cannot rename {} to {}: {e}", temp.display(), self.path.display()));
     }
 }
+pub mod agent;
 pub mod apiserver;
 mod cdylib;
 pub mod kubelet;
