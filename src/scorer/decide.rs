@@ -27,11 +27,30 @@ pub struct Rejection {
 impl Rejection {
     fn new(reason: String, category: &'static str, unresolvable: bool) -> Rejection {
         Rejection {
-            reason,
+            reason: bounded_reason(reason),
             category,
             unresolvable,
         }
     }
+}
+
+/// The longest reason given for one node, in bytes. A `filter` answer holds a reason per node (twice
+/// for unresolvable ones), and a reason may quote a pod's or a node's annotation: without a bound, one
+/// long annotation repeated for each of thousands of nodes makes an answer of gigabytes.
+pub const MAX_REASON_BYTES: usize = 512;
+
+/// `reason`, cut to [`MAX_REASON_BYTES`] at a character boundary (the cut marked with "...").
+pub fn bounded_reason(mut reason: String) -> String {
+    if reason.len() > MAX_REASON_BYTES {
+        let mut end = MAX_REASON_BYTES - 3;
+        while !reason.is_char_boundary(end) {
+            end -= 1;
+        }
+        reason.truncate(end);
+        reason.push_str("...");
+        reason.shrink_to_fit();
+    }
+    reason
 }
 
 /// A node that can host the pod.
@@ -865,6 +884,18 @@ mod tests {
         assert!(!r.unresolvable);
         let one = node("b", vec![gpu(0, 16384, 6000)]);
         assert_eq!(check(&one, &p).map(|f| f.need_mib), Ok(5000));
+    }
+
+    #[test]
+    fn reasons_are_cut_at_a_character_boundary() {
+        let short = "largest free GPU has 4096 MiB".to_string();
+        assert_eq!(bounded_reason(short.clone()), short);
+        let long = "é".repeat(MAX_REASON_BYTES);
+        let cut = bounded_reason(long);
+        assert!(cut.len() <= MAX_REASON_BYTES && cut.ends_with("é..."), "{cut}");
+        let models = format!("no GPU of an allowed type: pod allows {}", "x,".repeat(10_000));
+        let rejection = Rejection::new(models, "gpu_type", true);
+        assert_eq!(rejection.reason.len(), MAX_REASON_BYTES);
     }
 
     #[test]

@@ -400,6 +400,8 @@ impl Scorer {
         };
         match demand {
             Err(reason) => {
+                // Once, not per node: the reason may quote the pod's annotations.
+                let reason = decide::bounded_reason(reason);
                 for i in 0..states.len() {
                     reject(
                         i,
