@@ -283,11 +283,22 @@ impl PodCache {
             .collect()
     }
 
-    pub fn by_uid(&self, uid: &str) -> Option<Arc<Pod>> {
+    /// The pods with these UIDs that the cache holds, by UID: one pass over the store, however many
+    /// UIDs (a `preempt` call names thousands of victims).
+    pub fn by_uids(&self, uids: &HashSet<&str>) -> HashMap<String, Arc<Pod>> {
         self.store
             .state()
             .into_iter()
-            .find(|p| p.metadata.uid.as_deref() == Some(uid))
+            .filter_map(|p| {
+                let uid = p
+                    .metadata
+                    .uid
+                    .as_deref()
+                    .filter(|u| uids.contains(u))?
+                    .to_string();
+                Some((uid, p))
+            })
+            .collect()
     }
 }
 

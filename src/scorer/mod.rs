@@ -20,7 +20,7 @@ pub mod preempt;
 pub mod server;
 pub mod state;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
@@ -722,13 +722,19 @@ impl Scorer {
                 proposed.insert(node, (pods, uids, v.num_pdb_violations));
             }
         } else if let Some(map) = args.node_name_to_meta_victims {
+            let wanted: HashSet<&str> = map
+                .values()
+                .flatten()
+                .flat_map(|v| v.pods.iter().map(|p| p.uid.as_str()))
+                .collect();
+            let known = match &self.pods {
+                Some(cache) => cache.by_uids(&wanted),
+                None => HashMap::new(),
+            };
             for (node, v) in map {
                 let v = v.unwrap_or_default();
                 let uids: Vec<String> = v.pods.into_iter().map(|p| p.uid).collect();
-                let pods = uids
-                    .iter()
-                    .map(|u| self.pods.as_ref().and_then(|c| c.by_uid(u)))
-                    .collect();
+                let pods = uids.iter().map(|u| known.get(u).cloned()).collect();
                 proposed.insert(node, (pods, uids, v.num_pdb_violations));
             }
         }
