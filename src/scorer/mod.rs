@@ -183,8 +183,10 @@ impl Config {
     }
 }
 
-/// Victims per node: the pod objects where known, their UIDs, kube-scheduler's PDB violation count.
-type Proposed = BTreeMap<String, (Vec<Option<Arc<Pod>>>, Vec<String>, i64)>;
+/// One node's victims: the pod objects where known, their UIDs, kube-scheduler's PDB violation count.
+type ProposedVictims = (Vec<Option<Arc<Pod>>>, Vec<String>, i64);
+/// Victims per node.
+type Proposed = BTreeMap<String, ProposedVictims>;
 
 /// A request the scorer cannot work with (HTTP 400).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -701,9 +703,10 @@ impl Scorer {
     }
 
     /// `preempt`: per node, the victims that free room for the pod's GPUs (nodes where that cannot be
-    /// done from preemptible pods are dropped).
+    /// done from preemptible pods are dropped). The node states and PodDisruptionBudgets are read here;
+    /// the victims are chosen on tokio's blocking pool, off the async workers.
     pub async fn preempt(
-        &self,
+        self: &Arc<Self>,
         args: ExtenderPreemptionArgs,
     ) -> Result<ExtenderPreemptionResult, BadRequest> {
         let start = Instant::now();
@@ -758,14 +761,33 @@ impl Scorer {
             }
         };
         let pdbs = self.pdbs(&proposed).await;
-        for (node_name, (pods, uids, num_pdb)) in proposed {
-            let mut node = match self.node_state(&node_name).await {
-                Ok(n) => n,
-                Err(e) => {
-                    tracing::warn!("preempt: {e}");
-                    continue;
-                }
-            };
+        let mut nodes = Vec::with_capacity(proposed.len());
+        for (node_name, victims) in proposed {
+            match self.node_state(&node_name).await {
+                Ok(node) => nodes.push((node_name, node, victims)),
+                Err(e) => tracing::warn!("preempt: {e}"),
+            }
+        }
+        let scorer = self.clone();
+        let chosen = tokio::task::spawn_blocking(move || scorer.choose_victims(&d, nodes, pdbs.as_deref()))
+            .await
+            .map_err(|e| {
+                tracing::error!("preempt: choosing the victims failed: {e}");
+                BadRequest(format!("choosing the victims failed: {e}"))
+            })?;
+        self.observe("preempt", start);
+        Ok(chosen)
+    }
+
+    /// The victims to keep on each node (see [`preempt::select_victims`]).
+    fn choose_victims(
+        &self,
+        d: &PodDemand,
+        nodes: Vec<(String, NodeState, ProposedVictims)>,
+        pdbs: Option<&[PodDisruptionBudget]>,
+    ) -> ExtenderPreemptionResult {
+        let mut result = ExtenderPreemptionResult::default();
+        for (node_name, mut node, (pods, uids, num_pdb)) in nodes {
             self.ledger.apply(&mut node);
             if pods.iter().any(Option::is_none) {
                 tracing::warn!("preempt: a victim on {node_name} is unknown to the scorer; node skipped");
@@ -773,10 +795,10 @@ impl Scorer {
             }
             let pods: Vec<&Pod> = pods.iter().flatten().map(|p| p.as_ref()).collect();
             let mut victims: Vec<VictimInfo> = pods.iter().map(|p| VictimInfo::from_pod(p, &node)).collect();
-            if let Some(pdbs) = &pdbs {
+            if let Some(pdbs) = pdbs {
                 preempt::mark_pdb_violations(&mut victims, &pods, pdbs);
             }
-            if let Some((keep, violations)) = preempt::select_victims(&node, &d, &victims, num_pdb) {
+            if let Some((keep, violations)) = preempt::select_victims(&node, d, &victims, num_pdb) {
                 result.node_name_to_meta_victims.insert(
                     node_name,
                     MetaVictims {
@@ -789,8 +811,7 @@ impl Scorer {
                 );
             }
         }
-        self.observe("preempt", start);
-        Ok(result)
+        result
     }
 
     /// The PodDisruptionBudgets of the victims' namespaces; `None` if they cannot be read.
