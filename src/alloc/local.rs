@@ -74,8 +74,11 @@ pub enum ChoiceError {
     UnknownGpu(usize),
 }
 
-/// Beyond this many candidate sets the search turns greedy (only nodes with far more than 8 GPUs).
-const EXHAUSTIVE_LIMIT: u64 = 200_000;
+/// The most pair scores an exhaustive search may read (candidate sets times the pairs of each);
+/// beyond it the search turns greedy. Every choice on a node of up to 16 GPUs stays exhaustive (the
+/// most: 11,440 sets of 9 of 16 GPUs, 45 terms each; on 8 GPUs, 56 sets of 5, 15 terms each); 61 of
+/// 64 GPUs would be 41,664 sets of 1,891 terms each.
+pub const EXHAUSTIVE_WORK: u64 = 600_000;
 
 /// The `size` GPUs among `available` (always containing `must_include`) that work best together:
 /// the highest sum of pair scores; among equals, the set that leaves the best-connected GPUs behind
@@ -117,55 +120,76 @@ pub fn best_gpu_set(
         .collect();
     let pick = size - must.len();
 
-    // What a set takes away from the GPUs left behind: the scores of its pairs with every available GPU.
-    let degree = |g: usize| -> u64 { available.iter().map(|&o| u64::from(scores.get(g, o))).sum() };
-    let objective = |set: &[usize]| -> (u64, i64) {
-        let inner = scores.set_score(set);
-        let taken: u64 = set.iter().map(|&g| degree(g)).sum();
-        // Pairs left among the rest = total - taken + inner; the constant total does not matter.
-        (inner, inner as i64 - taken as i64)
-    };
-
-    let mut best: Option<((u64, i64), Vec<usize>)> = None;
-    let mut consider = |set: Vec<usize>| {
-        let score = objective(&set);
-        if best.as_ref().is_none_or(|(b, _)| score > *b) {
-            best = Some((score, set));
-        }
-    };
-    if binomial(candidates.len() as u64, pick as u64) <= EXHAUSTIVE_LIMIT {
-        for_each_combination(&candidates, pick, |chosen| {
-            let mut set = must.clone();
-            set.extend_from_slice(chosen);
-            set.sort_unstable();
-            consider(set);
-        });
-    } else {
-        let mut set = must.clone();
-        let mut left = candidates.clone();
-        while set.len() < size {
-            let (i, _) = left
-                .iter()
-                .enumerate()
-                .map(|(i, &g)| {
-                    let mut trial = set.clone();
-                    trial.push(g);
-                    (i, objective(&trial))
-                })
-                .max_by(|x, y| x.1.cmp(&y.1).then(y.0.cmp(&x.0)))
-                .ok_or(ChoiceError::NotEnough {
-                    size,
-                    available: available.len(),
-                })?;
-            set.push(left.remove(i));
-        }
-        set.sort_unstable();
-        consider(set);
+    // What a set takes away from the GPUs left behind: the scores of its pairs with every available GPU
+    // (computed once per GPU: the search reads it for every set).
+    let mut degree = vec![0u64; scores.len()];
+    for &g in &available {
+        degree[g] = available.iter().map(|&o| u64::from(scores.get(g, o))).sum();
     }
-    best.map(|(_, set)| set).ok_or(ChoiceError::NotEnough {
+    // Pairs left among the rest = total - taken + inner; the constant total does not matter.
+    let objective = |inner: u64, taken: u64| (inner, inner as i64 - taken as i64);
+    let not_enough = ChoiceError::NotEnough {
         size,
         available: available.len(),
-    })
+    };
+
+    let terms = (size * size.saturating_sub(1) / 2 + size) as u64;
+    if binomial(candidates.len() as u64, pick as u64).saturating_mul(terms) > EXHAUSTIVE_WORK {
+        return Ok(greedy_gpu_set(scores, &degree, must, &candidates, size));
+    }
+    let mut best: Option<((u64, i64), Vec<usize>)> = None;
+    let mut set = Vec::with_capacity(size);
+    for_each_combination(&candidates, pick, |chosen| {
+        set.clear();
+        set.extend_from_slice(&must);
+        set.extend_from_slice(chosen);
+        set.sort_unstable();
+        let taken = set.iter().map(|&g| degree[g]).sum();
+        let score = objective(scores.set_score(&set), taken);
+        if best.as_ref().is_none_or(|(b, _)| score > *b) {
+            best = Some((score, set.clone()));
+        }
+    });
+    best.map(|(_, set)| set).ok_or(not_enough)
+}
+
+/// [`best_gpu_set`] for large choices: from `must`, adds one candidate at a time, the one that raises
+/// the objective most (the lowest position among equals). Each step reads every candidate's pair
+/// scores with the GPU added last: `size x candidates` reads in all.
+fn greedy_gpu_set(
+    scores: &PairScores,
+    degree: &[u64],
+    must: Vec<usize>,
+    candidates: &[usize],
+    size: usize,
+) -> Vec<usize> {
+    let mut set = must;
+    let mut left = candidates.to_vec();
+    // For each candidate left: the sum of its pair scores with the set, in the set's order.
+    let mut link: Vec<u64> = left
+        .iter()
+        .map(|&g| set.iter().map(|&s| u64::from(scores.get(s, g))).sum())
+        .collect();
+    let mut inner = scores.set_score(&set);
+    let mut taken: u64 = set.iter().map(|&g| degree[g]).sum();
+    while set.len() < size {
+        let gain = |i: usize| {
+            let inner = inner + link[i];
+            (inner, inner as i64 - (taken + degree[left[i]]) as i64)
+        };
+        let Some(i) = (0..left.len()).max_by(|&x, &y| gain(x).cmp(&gain(y)).then(y.cmp(&x))) else {
+            break;
+        };
+        let g = left.remove(i);
+        inner += link.remove(i);
+        taken += degree[g];
+        set.push(g);
+        for (l, &o) in link.iter_mut().zip(&left) {
+            *l += u64::from(scores.get(g, o));
+        }
+    }
+    set.sort_unstable();
+    set
 }
 
 fn binomial(n: u64, k: u64) -> u64 {
@@ -291,6 +315,62 @@ mod tests {
         let all: Vec<usize> = (0..40).collect();
         assert_eq!(best_gpu_set(&s, &all, &[], 4).unwrap(), vec![0, 1, 2, 3]);
         assert_eq!(best_gpu_set(&s, &all, &[9], 3).unwrap(), vec![8, 9, 10]);
+    }
+
+    #[test]
+    fn up_to_8_gpus_every_set_is_weighed() {
+        // Random pair scores, availability and must-include GPUs: the answer is the best of all sets
+        // by the objective (pair scores inside, then what is left to the others), the first of equals.
+        let mut x = 0x2545_f491_4f6c_dd1du64;
+        let mut next = move |m: u64| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x % m
+        };
+        for _ in 0..300 {
+            let n = 1 + next(8) as usize;
+            let table: Vec<u32> = (0..n * n)
+                .map(|_| [10, 20, 50, 150, 650][next(5) as usize])
+                .collect();
+            let s = PairScores::new(n, |a, b| table[a * n + b]);
+            let available: Vec<usize> = (0..n).filter(|_| next(4) != 0).collect();
+            if available.is_empty() {
+                continue;
+            }
+            let size = 1 + next(available.len() as u64) as usize;
+            let must: Vec<usize> = available
+                .iter()
+                .copied()
+                .filter(|_| next(4) == 0)
+                .take(size)
+                .collect();
+            let degree = |g: usize| -> i64 { available.iter().map(|&o| i64::from(s.get(g, o))).sum() };
+            let mut best: Option<((u64, i64), Vec<usize>)> = None;
+            for mask in 0u32..1 << available.len() {
+                let set: Vec<usize> = (0..available.len())
+                    .filter(|&i| mask & 1 << i != 0)
+                    .map(|i| available[i])
+                    .collect();
+                if set.len() != size || must.iter().any(|m| !set.contains(m)) {
+                    continue;
+                }
+                let inner = s.set_score(&set);
+                let score = (inner, inner as i64 - set.iter().map(|&g| degree(g)).sum::<i64>());
+                // Sets of one size compare as the search meets them: lexicographically.
+                let better = best
+                    .as_ref()
+                    .is_none_or(|(b, bs)| score > *b || (score == *b && set < *bs));
+                if better {
+                    best = Some((score, set));
+                }
+            }
+            assert_eq!(
+                best_gpu_set(&s, &available, &must, size).ok(),
+                best.map(|(_, set)| set),
+                "{n} GPUs, {available:?}, must {must:?}, size {size}"
+            );
+        }
     }
 
     #[test]

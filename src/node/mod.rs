@@ -27,6 +27,29 @@ pub const ROOM_FREED_LABEL: &str = "gpumem.io/room-freed-at";
 /// The schema version both annotations carry; a reader refuses any other.
 pub const ANNOTATION_VERSION: u32 = 1;
 
+// What an annotation may claim. Annotations are written by agents, and a compromised node can write
+// anything: these bounds keep one node from costing the scorer unbounded memory or CPU, or skewing the
+// cluster gauges, while staying well above any real node.
+
+/// The longest annotation read, in bytes: the API server refuses objects whose annotations together
+/// exceed 256 KiB, so no stored annotation is longer.
+pub const MAX_ANNOTATION_BYTES: usize = 256 * 1024;
+/// GPUs per node. The scorer keeps a GPU set as a 64-bit mask ([`crate::alloc::MAX_GPUS_PER_NODE`]);
+/// the largest nodes sold hold 8 to 16 GPUs (DGX/HGX), and 64 is the search bound the scorer is
+/// measured against (docs/architecture.md).
+pub const MAX_GPUS: usize = crate::alloc::MAX_GPUS_PER_NODE;
+/// Memory of one GPU, MiB: 1 TiB, several times the largest GPU today (H200: 141 GB, B300: 288 GB).
+/// It also keeps every sum over a node's GPUs far from overflowing.
+pub const MAX_GPU_MEMORY_MIB: u64 = 1 << 20;
+/// NVLink links between two GPUs: NVML has at most 18 per GPU (`NVML_NVLINK_MAX_LINKS`).
+pub const MAX_NVLINK_LINKS: u32 = 64;
+/// Pods listed on one GPU: kubelets run at most a few hundred pods per node (110 by default).
+pub const MAX_PODS_PER_GPU: usize = 1024;
+/// A GPU's UUID or model name, in bytes: NVML's buffers are 96 bytes.
+pub const MAX_GPU_TEXT_BYTES: usize = 256;
+/// A pod as `namespace/name`: a namespace has at most 63 bytes, a name 253.
+pub const MAX_POD_KEY_BYTES: usize = 63 + 1 + 253;
+
 /// GFD-compatible GPU labels plus gpumem's topology summary.
 pub fn labels(inventory: &GpuInventory, mem_unit_mib: u64) -> BTreeMap<String, String> {
     let mut labels = BTreeMap::new();
@@ -255,24 +278,62 @@ impl TopologyAnnotation {
         }
     }
 
-    /// Parses and checks an annotation someone (or something) wrote; the error says what is wrong.
+    /// Parses and checks an annotation someone (or something) wrote; the error says what is wrong,
+    /// including a claim beyond the bounds above ([`AnnotationError::Refused`]).
     pub fn parse(json: &str) -> Result<Self, AnnotationError> {
-        let parsed: Self = parse_versioned(TOPOLOGY_ANNOTATION, json)?;
+        let key = TOPOLOGY_ANNOTATION;
+        let parsed: Self = parse_versioned(key, json)?;
+        at_most(key, "GPUs", parsed.gpus.len(), MAX_GPUS)?;
         let mut seen = std::collections::BTreeSet::new();
         for gpu in &parsed.gpus {
-            if !seen.insert(gpu.index) {
-                return Err(AnnotationError::invalid(
-                    TOPOLOGY_ANNOTATION,
-                    format!("GPU {} twice", gpu.index),
-                ));
+            let i = gpu.index;
+            if !seen.insert(i) {
+                return Err(AnnotationError::invalid(key, format!("GPU {i} twice")));
+            }
+            at_most(
+                key,
+                &format!("MiB on GPU {i}"),
+                gpu.memory_mib,
+                MAX_GPU_MEMORY_MIB,
+            )?;
+            at_most(
+                key,
+                &format!("bytes of GPU {i}'s uuid"),
+                gpu.uuid.len(),
+                MAX_GPU_TEXT_BYTES,
+            )?;
+            at_most(
+                key,
+                &format!("bytes of GPU {i}'s model"),
+                gpu.model.len(),
+                MAX_GPU_TEXT_BYTES,
+            )?;
+            // Peers are other GPUs of the node, each once: so at most MAX_GPUS - 1 of them.
+            let mut peers = std::collections::BTreeSet::new();
+            for peer in &gpu.nvlink_peers {
+                if peer.index == i || !peers.insert(peer.index) {
+                    return Err(AnnotationError::invalid(
+                        key,
+                        format!("GPU {i} lists NVLink peer {} twice or itself", peer.index),
+                    ));
+                }
+                at_most(
+                    key,
+                    &format!("NVLink links from GPU {i} to GPU {}", peer.index),
+                    peer.links,
+                    MAX_NVLINK_LINKS,
+                )?;
             }
         }
         if parsed.mem_unit_mib == 0 {
-            return Err(AnnotationError::invalid(
-                TOPOLOGY_ANNOTATION,
-                "memUnitMiB is 0".into(),
-            ));
+            return Err(AnnotationError::invalid(key, "memUnitMiB is 0".into()));
         }
+        at_most(
+            key,
+            "MiB per memory unit",
+            parsed.mem_unit_mib,
+            MAX_GPU_MEMORY_MIB,
+        )?;
         Ok(parsed)
     }
 }
@@ -296,10 +357,49 @@ impl UsageAnnotation {
         }
     }
 
-    /// Parses and checks an annotation someone (or something) wrote; the error says what is wrong.
+    /// Parses and checks an annotation someone (or something) wrote; the error says what is wrong,
+    /// including a claim beyond the bounds above ([`AnnotationError::Refused`]).
     pub fn parse(json: &str) -> Result<Self, AnnotationError> {
-        parse_versioned(USAGE_ANNOTATION, json)
+        let key = USAGE_ANNOTATION;
+        let parsed: Self = parse_versioned(key, json)?;
+        at_most(key, "GPUs", parsed.gpus.len(), MAX_GPUS)?;
+        for gpu in &parsed.gpus {
+            let i = gpu.index;
+            at_most(
+                key,
+                &format!("MiB allocated on GPU {i}"),
+                gpu.allocated_mib,
+                MAX_GPU_MEMORY_MIB,
+            )?;
+            at_most(key, &format!("pods on GPU {i}"), gpu.pods.len(), MAX_PODS_PER_GPU)?;
+            if let Some(pod) = gpu.pods.iter().find(|p| p.len() > MAX_POD_KEY_BYTES) {
+                return Err(AnnotationError::Refused {
+                    key,
+                    message: format!(
+                        "a pod on GPU {i} is named in {} bytes, at most {MAX_POD_KEY_BYTES} are accepted",
+                        pod.len()
+                    ),
+                });
+            }
+        }
+        Ok(parsed)
     }
+}
+
+/// `Err(Refused)` when the annotation claims more `what` than `max`.
+fn at_most<T: PartialOrd + std::fmt::Display>(
+    key: &'static str,
+    what: &str,
+    claimed: T,
+    max: T,
+) -> Result<(), AnnotationError> {
+    if claimed > max {
+        return Err(AnnotationError::Refused {
+            key,
+            message: format!("{claimed} {what}, at most {max} are accepted"),
+        });
+    }
+    Ok(())
 }
 
 /// Why an annotation cannot be used.
@@ -311,6 +411,9 @@ pub enum AnnotationError {
     Version { key: &'static str, found: String },
     #[error("annotation {key} is inconsistent: {message}")]
     Invalid { key: &'static str, message: String },
+    /// Beyond what any real node has (see [`MAX_GPUS`] and the other bounds): the node is not believed.
+    #[error("annotation {key} is refused: {message}")]
+    Refused { key: &'static str, message: String },
 }
 
 impl AnnotationError {
@@ -323,6 +426,8 @@ fn parse_versioned<T: serde::de::DeserializeOwned>(
     key: &'static str,
     json: &str,
 ) -> Result<T, AnnotationError> {
+    // No real annotation is this long; parsing one would cost memory in proportion.
+    at_most(key, "bytes of annotation", json.len(), MAX_ANNOTATION_BYTES)?;
     // Check the version first, so that a future schema is reported as such rather than as garbage.
     let value: serde_json::Value = serde_json::from_str(json).map_err(|e| AnnotationError::Malformed {
         key,
@@ -436,6 +541,134 @@ mod tests {
             {"index":0,"uuid":"b","model":"m","memoryMiB":1,"numaNode":null,"pcieSwitch":null,"nvlinkPeers":[],"health":"Healthy"}]}"#;
         assert!(matches!(
             TopologyAnnotation::parse(twice),
+            Err(AnnotationError::Invalid { .. })
+        ));
+    }
+
+    /// A topology annotation of `n` healthy GPUs of `memory` MiB, each NVLinked to every other one
+    /// with `links` links, as JSON.
+    fn topology_json(n: u32, memory: u64, links: u32) -> String {
+        let gpus = (0..n)
+            .map(|i| GpuTopology {
+                index: i,
+                uuid: format!("GPU-{i}"),
+                model: "NVIDIA H200".into(),
+                memory_mib: memory,
+                numa_node: Some(0),
+                pcie_switch: None,
+                nvlink_peers: (0..n)
+                    .filter(|&p| p != i)
+                    .map(|index| NvLinkPeerJson { index, links })
+                    .collect(),
+                health: Health::Healthy,
+            })
+            .collect();
+        to_json(&TopologyAnnotation {
+            version: ANNOTATION_VERSION,
+            mem_unit_mib: 1,
+            gpus,
+        })
+    }
+
+    fn usage_json(n: u32, allocated: u64, pods: Vec<String>) -> String {
+        let gpus = (0..n)
+            .map(|index| GpuUsage {
+                index,
+                allocated_mib: allocated,
+                mode: GpuMode::Shared,
+                pods: pods.clone(),
+            })
+            .collect();
+        to_json(&UsageAnnotation {
+            version: ANNOTATION_VERSION,
+            gpus,
+        })
+    }
+
+    /// The refusal's message, or a panic naming what came instead.
+    fn refused<T: std::fmt::Debug>(parsed: Result<T, AnnotationError>) -> String {
+        match parsed {
+            Err(e @ AnnotationError::Refused { .. }) => e.to_string(),
+            other => panic!("not refused: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn annotations_claiming_more_than_any_node_has_are_refused() {
+        // At the bounds: accepted.
+        let full = TopologyAnnotation::parse(&topology_json(64, MAX_GPU_MEMORY_MIB, MAX_NVLINK_LINKS))
+            .expect("64 GPUs of 1 TiB, fully NVLinked");
+        assert_eq!(full.gpus.len(), MAX_GPUS);
+        UsageAnnotation::parse(&usage_json(64, MAX_GPU_MEMORY_MIB, Vec::new())).expect("at the bounds");
+        let pods = (0..MAX_PODS_PER_GPU).map(|p| format!("ns/p-{p}")).collect();
+        UsageAnnotation::parse(&usage_json(1, 1, pods)).expect("at the bounds");
+        let longest = vec!["n".repeat(63) + "/" + &"p".repeat(253)];
+        UsageAnnotation::parse(&usage_json(1, 1, longest)).expect("at the bounds");
+
+        // One past each bound: refused, saying what and how much.
+        let message = refused(TopologyAnnotation::parse(&topology_json(65, 81920, 1)));
+        assert_eq!(
+            message,
+            "annotation gpumem.io/gpu-topology is refused: 65 GPUs, at most 64 are accepted"
+        );
+        let message = refused(TopologyAnnotation::parse(&topology_json(2, u64::MAX, 1)));
+        assert!(
+            message.contains(&format!("{} MiB on GPU 0, at most 1048576", u64::MAX)),
+            "{message}"
+        );
+        let message = refused(TopologyAnnotation::parse(&topology_json(2, 81920, 65)));
+        assert!(
+            message.contains("65 NVLink links from GPU 0 to GPU 1"),
+            "{message}"
+        );
+        let message = refused(UsageAnnotation::parse(&usage_json(65, 0, Vec::new())));
+        assert!(
+            message.starts_with("annotation gpumem.io/gpu-usage is refused: 65 GPUs"),
+            "{message}"
+        );
+        let message = refused(UsageAnnotation::parse(&usage_json(1, u64::MAX, Vec::new())));
+        assert!(message.contains("MiB allocated on GPU 0"), "{message}");
+        let crowded = vec!["ns/p".to_string(); MAX_PODS_PER_GPU + 1];
+        let message = refused(UsageAnnotation::parse(&usage_json(1, 1, crowded)));
+        assert!(message.contains("1025 pods on GPU 0"), "{message}");
+        let long = vec!["n".repeat(MAX_POD_KEY_BYTES + 1)];
+        let message = refused(UsageAnnotation::parse(&usage_json(1, 1, long)));
+        assert!(
+            message.contains("a pod on GPU 0 is named in 318 bytes"),
+            "{message}"
+        );
+
+        let mut topology = TopologyAnnotation::parse(&topology_json(2, 81920, 1)).expect("valid");
+        topology.gpus[1].model = "m".repeat(MAX_GPU_TEXT_BYTES + 1);
+        let message = refused(TopologyAnnotation::parse(&to_json(&topology)));
+        assert!(message.contains("257 bytes of GPU 1's model"), "{message}");
+        topology.gpus[1].model = "m".into();
+        topology.gpus[0].uuid = "u".repeat(MAX_GPU_TEXT_BYTES + 1);
+        assert!(refused(TopologyAnnotation::parse(&to_json(&topology))).contains("GPU 0's uuid"));
+        topology.gpus[0].uuid = "GPU-0".into();
+        topology.mem_unit_mib = MAX_GPU_MEMORY_MIB + 1;
+        assert!(refused(TopologyAnnotation::parse(&to_json(&topology))).contains("MiB per memory unit"));
+
+        // Longer than the API server stores, whatever it holds: refused before it is parsed.
+        let padded = format!("{}{}", " ".repeat(MAX_ANNOTATION_BYTES), topology_json(1, 1, 1));
+        assert!(refused(TopologyAnnotation::parse(&padded)).contains("bytes of annotation"));
+        assert!(refused(UsageAnnotation::parse(&padded)).contains("bytes of annotation"));
+    }
+
+    #[test]
+    fn nvlink_peers_are_other_gpus_each_listed_once() {
+        let mut topology = TopologyAnnotation::parse(&topology_json(3, 81920, 2)).expect("valid");
+        topology.gpus[0]
+            .nvlink_peers
+            .push(NvLinkPeerJson { index: 1, links: 2 });
+        let twice = TopologyAnnotation::parse(&to_json(&topology));
+        assert!(
+            matches!(&twice, Err(AnnotationError::Invalid { message, .. }) if message.contains("GPU 0 lists NVLink peer 1")),
+            "{twice:?}"
+        );
+        topology.gpus[0].nvlink_peers = vec![NvLinkPeerJson { index: 0, links: 2 }];
+        assert!(matches!(
+            TopologyAnnotation::parse(&to_json(&topology)),
             Err(AnnotationError::Invalid { .. })
         ));
     }

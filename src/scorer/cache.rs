@@ -283,21 +283,33 @@ impl PodCache {
             .collect()
     }
 
-    pub fn by_uid(&self, uid: &str) -> Option<Arc<Pod>> {
+    /// The pods with these UIDs that the cache holds, by UID: one pass over the store, however many
+    /// UIDs (a `preempt` call names thousands of victims).
+    pub fn by_uids(&self, uids: &HashSet<&str>) -> HashMap<String, Arc<Pod>> {
         self.store
             .state()
             .into_iter()
-            .find(|p| p.metadata.uid.as_deref() == Some(uid))
+            .filter_map(|p| {
+                let uid = p
+                    .metadata
+                    .uid
+                    .as_deref()
+                    .filter(|u| uids.contains(u))?
+                    .to_string();
+                Some((uid, p))
+            })
+            .collect()
     }
 }
 
 /// Parsed GPU state of the nodes of `Nodes`-form requests (`nodeCacheCapable: false`), by the node's
 /// exact JSON text: a node kube-scheduler sends again unchanged (same name, same resourceVersion, so the
 /// same bytes) is not decoded again. Looked up by a hash of the text, confirmed by comparing the text.
-/// Nodes absent from recent requests are forgotten.
-#[derive(Default)]
+/// Nodes absent from recent requests are forgotten, and the text held is bounded.
 pub struct RawNodeCache {
     inner: std::sync::Mutex<RawInner>,
+    /// Past this much node text, only the last request's nodes are kept.
+    keep_bytes: usize,
 }
 
 #[derive(Default)]
@@ -305,6 +317,8 @@ struct RawInner {
     entries: HashMap<u64, RawEntry>,
     /// Counts requests; an entry remembers the last one that used it.
     generation: u64,
+    /// The length of all texts held.
+    bytes: usize,
 }
 
 struct RawEntry {
@@ -343,6 +357,14 @@ fn text_hash(text: &[u8]) -> u64 {
 }
 
 impl RawNodeCache {
+    /// A cache that holds up to `keep_bytes` of node text (more only while one request sends more).
+    pub fn new(keep_bytes: usize) -> RawNodeCache {
+        RawNodeCache {
+            inner: std::sync::Mutex::default(),
+            keep_bytes,
+        }
+    }
+
     /// The parsed state of each node in `items`, in order.
     pub fn states(&self, items: &[Box<serde_json::value::RawValue>]) -> Vec<Arc<NodeState>> {
         let hashes: Vec<u64> = items.iter().map(|n| text_hash(n.get().as_bytes())).collect();
@@ -375,19 +397,30 @@ impl RawNodeCache {
             let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
             for k in new {
                 let state = out[k].clone().expect("decoded above");
-                inner.entries.insert(
-                    hashes[k],
-                    RawEntry {
-                        text: items[k].get().into(),
-                        state,
-                        used: generation,
-                    },
-                );
+                let text: Box<str> = items[k].get().into();
+                inner.bytes += text.len();
+                let entry = RawEntry {
+                    text,
+                    state,
+                    used: generation,
+                };
+                if let Some(old) = inner.entries.insert(hashes[k], entry) {
+                    inner.bytes -= old.text.len();
+                }
             }
-            // Forget nodes the last few requests did not send, once the cache grows well past a request.
-            if inner.entries.len() > 2 * items.len() + 1024 {
-                let keep_from = generation.saturating_sub(4);
+            // Forget nodes the last few requests did not send, once the cache grows well past a
+            // request; past `keep_bytes` of text, all that this one did not send (requests in the
+            // `Nodes` form can be large: this bounds what they leave behind).
+            let keep_from = if inner.bytes > self.keep_bytes {
+                Some(generation)
+            } else if inner.entries.len() > 2 * items.len() + 1024 {
+                Some(generation.saturating_sub(4))
+            } else {
+                None
+            };
+            if let Some(keep_from) = keep_from {
                 inner.entries.retain(|_, e| e.used >= keep_from);
+                inner.bytes = inner.entries.values().map(|e| e.text.len()).sum();
             }
         }
         out.into_iter().map(|s| s.expect("filled above")).collect()
@@ -409,7 +442,7 @@ mod tests {
 
     #[test]
     fn raw_nodes_are_decoded_once_per_distinct_text() {
-        let cache = RawNodeCache::default();
+        let cache = RawNodeCache::new(1 << 20);
         let raw = |s: &str| serde_json::value::RawValue::from_string(s.to_string()).expect("raw");
         let a = raw(r#"{"metadata":{"name":"a","resourceVersion":"1"}}"#);
         let b = raw(r#"{"metadata":{"name":"b","resourceVersion":"1"}}"#);

@@ -4,7 +4,7 @@
 //! and, for multi-GPU pods, the topology of the chosen set.
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 
 use rand::SeedableRng;
 
@@ -27,11 +27,30 @@ pub struct Rejection {
 impl Rejection {
     fn new(reason: String, category: &'static str, unresolvable: bool) -> Rejection {
         Rejection {
-            reason,
+            reason: bounded_reason(reason),
             category,
             unresolvable,
         }
     }
+}
+
+/// The longest reason given for one node, in bytes. A `filter` answer holds a reason per node (twice
+/// for unresolvable ones), and a reason may quote a pod's or a node's annotation: without a bound, one
+/// long annotation repeated for each of thousands of nodes makes an answer of gigabytes.
+pub const MAX_REASON_BYTES: usize = 512;
+
+/// `reason`, cut to [`MAX_REASON_BYTES`] at a character boundary (the cut marked with "...").
+pub fn bounded_reason(mut reason: String) -> String {
+    if reason.len() > MAX_REASON_BYTES {
+        let mut end = MAX_REASON_BYTES - 3;
+        while !reason.is_char_boundary(end) {
+            end -= 1;
+        }
+        reason.truncate(end);
+        reason.push_str("...");
+        reason.shrink_to_fit();
+    }
+    reason
 }
 
 /// A node that can host the pod.
@@ -189,9 +208,27 @@ fn allowed_models(node: &NodeState, pod: &PodDemand) -> (usize, GpuMask) {
     (allowed, eligible)
 }
 
+/// NVLink links from each GPU to each other one, by position (`n x n`): what [`GpuState::nvlinks_to`]
+/// answers, read once (it searches a list; the searches below ask for every pair, often).
+fn nvlink_table(node: &NodeState) -> Vec<u32> {
+    let n = node.gpus().len();
+    let mut links = vec![0; n * n];
+    for (a, g) in node.gpus().iter().enumerate() {
+        // In reverse, so that a peer listed twice counts as its first listing does in `nvlinks_to`.
+        for &(b, l) in g.nvlink.iter().rev() {
+            if b < n {
+                links[a * n + b] = l;
+            }
+        }
+    }
+    links
+}
+
 /// Pair scores of a node's GPUs from the topology annotation (see [`pair_score`]).
 pub fn pair_scores(node: &NodeState) -> PairScores {
-    PairScores::new(node.gpus().len(), |a, b| {
+    let n = node.gpus().len();
+    let links = nvlink_table(node);
+    PairScores::new(n, |a, b| {
         let (ga, gb) = (&node.gpus()[a], &node.gpus()[b]);
         let level = if ga.pcie_switch.is_some() && ga.pcie_switch == gb.pcie_switch {
             TopologyLevel::Single
@@ -200,7 +237,7 @@ pub fn pair_scores(node: &NodeState) -> PairScores {
         } else {
             TopologyLevel::System
         };
-        pair_score(level, ga.nvlinks_to(b))
+        pair_score(level, links[a * n + b])
     })
 }
 
@@ -246,58 +283,77 @@ fn topology_set(node: &NodeState, idle: &[usize], n: usize, need: TopologyNeed) 
         .max_by(|a, b| a.1.cmp(&b.1).then(b.0.cmp(&a.0)))
 }
 
-/// The best-scoring set of `n` idle GPUs that are all NVLinked pairwise (bounded search).
+/// Steps the NVLink search takes at most: on up to 8 GPUs it sees every set (at most 2^8 x 8 steps),
+/// beyond that it returns the best set found within the budget. A step costs a mask test and, for a
+/// GPU added, one pair score per GPU already in the set.
+pub const NVLINK_SEARCH_STEPS: u32 = 20_000;
+
+/// The best-scoring set of `n` idle GPUs that are all NVLinked pairwise, searched in order of position
+/// (the first of equal sets wins) within [`NVLINK_SEARCH_STEPS`].
 fn nvlink_clique(
     node: &NodeState,
     scores: &PairScores,
     idle: &[usize],
     n: usize,
 ) -> Option<(Vec<usize>, u64)> {
-    let linked = |a: usize, b: usize| node.gpus()[a].nvlinks_to(b) > 0;
-    let mut best: Option<(Vec<usize>, u64)> = None;
-    let mut stack: Vec<usize> = Vec::with_capacity(n);
-    let mut budget = 100_000u32;
-    fn grow(
-        start: usize,
-        idle: &[usize],
-        n: usize,
-        stack: &mut Vec<usize>,
-        budget: &mut u32,
-        linked: &dyn Fn(usize, usize) -> bool,
-        found: &mut dyn FnMut(&[usize]),
-    ) {
-        if stack.len() == n {
-            found(stack);
-            return;
-        }
-        for i in start..idle.len() {
-            if *budget == 0 {
-                return;
-            }
-            *budget -= 1;
-            let g = idle[i];
-            if stack.iter().all(|&s| linked(s, g)) {
-                stack.push(g);
-                grow(i + 1, idle, n, stack, budget, linked, found);
-                stack.pop();
+    // `into[g]`: the GPUs with an NVLink to g (as `nvlinks_to` reads it, from their side).
+    let count = node.gpus().len();
+    let links = nvlink_table(node);
+    let mut into = vec![GpuMask::EMPTY; count];
+    for a in 0..count {
+        for (b, into) in into.iter_mut().enumerate() {
+            if links[a * count + b] > 0 {
+                *into = into.with(a);
             }
         }
     }
-    grow(
-        0,
+    struct Search<'a> {
+        idle: &'a [usize],
+        n: usize,
+        scores: &'a PairScores,
+        into: &'a [GpuMask],
+        stack: Vec<usize>,
+        budget: u32,
+        best: Option<(Vec<usize>, u64)>,
+    }
+    impl Search<'_> {
+        /// Extends the stack (linked pairwise, `members`, its pair scores summing to `score`) with GPUs
+        /// of `idle[start..]`.
+        fn grow(&mut self, start: usize, members: GpuMask, score: u64) {
+            if self.stack.len() == self.n {
+                if self.best.as_ref().is_none_or(|(_, b)| score > *b) {
+                    self.best = Some((self.stack.clone(), score));
+                }
+                return;
+            }
+            for i in start..self.idle.len() {
+                // Out of steps, or too few GPUs left to complete a set.
+                if self.budget == 0 || self.idle.len() - i < self.n - self.stack.len() {
+                    return;
+                }
+                self.budget -= 1;
+                let g = self.idle[i];
+                if members.0 & !self.into[g].0 == 0 {
+                    // Pair scores in set order, as `set_score` sums them.
+                    let added: u64 = self.stack.iter().map(|&s| u64::from(self.scores.get(s, g))).sum();
+                    self.stack.push(g);
+                    self.grow(i + 1, members.with(g), score + added);
+                    self.stack.pop();
+                }
+            }
+        }
+    }
+    let mut search = Search {
         idle,
         n,
-        &mut stack,
-        &mut budget,
-        &linked,
-        &mut |set: &[usize]| {
-            let s = set_score(scores, set);
-            if best.as_ref().is_none_or(|(_, b)| s > *b) {
-                best = Some((set.to_vec(), s));
-            }
-        },
-    );
-    best
+        scores,
+        into: &into,
+        stack: Vec::with_capacity(n),
+        budget: NVLINK_SEARCH_STEPS,
+        best: None,
+    };
+    search.grow(0, GpuMask::EMPTY, 0);
+    search.best
 }
 
 /// One feasible node's ranking.
@@ -359,8 +415,9 @@ struct View {
     position: HashMap<String, u32, foldhash::fast::RandomState>,
     /// What each position was last written from.
     written: Vec<Option<Written>>,
-    /// Positions by the address of the node state in `written` (held there, so no other state can
-    /// have that address meanwhile): a node unchanged since the last call is found without its name.
+    /// Positions by the address of the node state in `written` (its allocation is held there, so no
+    /// other state can have that address meanwhile): a node unchanged since the last call is found
+    /// without its name.
     by_address: HashMap<usize, u32, foldhash::fast::RandomState>,
     /// The call that last listed each node, to forget nodes that are gone.
     listed: Vec<u64>,
@@ -374,7 +431,9 @@ struct View {
 
 /// A node state and the parts of the pod that shape its view (see [`View::place`]).
 struct Written {
-    node: Arc<NodeState>,
+    /// Only its address is compared: a weak reference keeps the allocation (the address stays this
+    /// node's) without keeping the node's GPUs in memory once no cache holds them.
+    node: Weak<NodeState>,
     eligible: GpuMask,
     cpu: u64,
     memory: u64,
@@ -391,6 +450,10 @@ struct KeptPolicy {
 const MAX_POLICIES: usize = 4;
 /// A node no call has listed for this many calls is forgotten (deleted, or always filtered out earlier).
 const FORGET_AFTER_CALLS: u64 = 100_000;
+/// Past this many nodes the view forgets every node the last call did not list. No cluster gets there
+/// (Kubernetes is tested to 5,000 nodes); `Nodes`-form requests made of ever new nodes would, and
+/// without this bound they would grow the view by up to [`super::extender::MAX_NODES`] nodes a call.
+const MAX_VIEW_NODES: usize = 2 * super::extender::MAX_NODES;
 
 const NOT_LISTED: u32 = u32::MAX;
 
@@ -460,30 +523,31 @@ impl View {
             self.shape += 1;
         }
         let written = Written {
-            node: node.clone(),
+            node: Arc::downgrade(node),
             eligible: fit.eligible,
             cpu,
             memory,
         };
         if let Some(old) = self.written[at as usize].replace(written) {
-            self.by_address.remove(&(Arc::as_ptr(&old.node) as usize));
+            self.by_address.remove(&(Weak::as_ptr(&old.node) as usize));
         }
         self.by_address.insert(address, at);
         at
     }
 
-    /// Forgets the nodes no call listed for [`FORGET_AFTER_CALLS`] calls (checked now and then).
+    /// Forgets the nodes no call listed for [`FORGET_AFTER_CALLS`] calls (checked now and then), or,
+    /// past [`MAX_VIEW_NODES`], those the last call did not list. Runs before this call lists any.
     fn forget_gone(&mut self) {
-        if !self.calls.is_multiple_of(4096)
-            || !self.listed.iter().any(|&c| c + FORGET_AFTER_CALLS < self.calls)
-        {
+        let crowded = self.cluster.nodes.len() > MAX_VIEW_NODES;
+        let keep_from = if crowded {
+            self.calls.saturating_sub(1)
+        } else {
+            self.calls.saturating_sub(FORGET_AFTER_CALLS)
+        };
+        if !crowded && (!self.calls.is_multiple_of(4096) || !self.listed.iter().any(|&c| c < keep_from)) {
             return;
         }
-        let keep: Vec<bool> = self
-            .listed
-            .iter()
-            .map(|&c| c + FORGET_AFTER_CALLS >= self.calls)
-            .collect();
+        let keep: Vec<bool> = self.listed.iter().map(|&c| c >= keep_from).collect();
         let mut k = keep.iter();
         self.cluster.nodes.retain(|_| *k.next().unwrap_or(&true));
         let mut k = keep.iter();
@@ -494,7 +558,7 @@ impl View {
             .written
             .iter()
             .enumerate()
-            .filter_map(|(i, w)| Some((Arc::as_ptr(&w.as_ref()?.node) as usize, i as u32)))
+            .filter_map(|(i, w)| Some((Weak::as_ptr(&w.as_ref()?.node) as usize, i as u32)))
             .collect();
         self.position = self
             .cluster
@@ -868,6 +932,18 @@ mod tests {
     }
 
     #[test]
+    fn reasons_are_cut_at_a_character_boundary() {
+        let short = "largest free GPU has 4096 MiB".to_string();
+        assert_eq!(bounded_reason(short.clone()), short);
+        let long = "é".repeat(MAX_REASON_BYTES);
+        let cut = bounded_reason(long);
+        assert!(cut.len() <= MAX_REASON_BYTES && cut.ends_with("é..."), "{cut}");
+        let models = format!("no GPU of an allowed type: pod allows {}", "x,".repeat(10_000));
+        let rejection = Rejection::new(models, "gpu_type", true);
+        assert_eq!(rejection.reason.len(), MAX_REASON_BYTES);
+    }
+
+    #[test]
     fn topology_needs_pick_qualifying_sets() {
         // 4 idle GPUs: 0,1 on switch 0 / NUMA 0, 2,3 on switch 1 / NUMA 0; 4 is on NUMA 1.
         let mut gpus: Vec<GpuState> = (0..5).map(|i| gpu(i, 16384, 16384)).collect();
@@ -885,6 +961,94 @@ mod tests {
         assert!(check(&n, &p).is_err_and(|r| r.category == "topology"));
         p.topology = TopologyNeed::Numa;
         assert_eq!(check(&n, &p).expect("fits").set.map(|s| s.0.len()), Some(3));
+    }
+
+    /// The `n`-subsets of `items`, in lexicographic order.
+    fn subsets(items: &[usize], n: usize) -> Vec<Vec<usize>> {
+        if n == 0 {
+            return vec![Vec::new()];
+        }
+        (0..items.len())
+            .flat_map(|i| {
+                subsets(&items[i + 1..], n - 1).into_iter().map(move |mut rest| {
+                    rest.insert(0, items[i]);
+                    rest
+                })
+            })
+            .collect()
+    }
+
+    #[test]
+    fn nvlink_sets_on_up_to_8_gpus_are_the_best_of_all_sets() {
+        // Random NVLink wiring (one-sided links too), idle GPUs and set sizes: the bounded search
+        // answers what looking at every set answers, the first of equals winning.
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = move |m: u64| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x % m
+        };
+        let mut found = 0;
+        for _ in 0..400 {
+            let count = 2 + next(7) as usize;
+            let mut gpus: Vec<GpuState> = (0..count).map(|i| gpu(i, 81920, 81920)).collect();
+            for (a, g) in gpus.iter_mut().enumerate() {
+                g.whole = next(5) == 0;
+                g.nvlink = Vec::new();
+                for b in (0..count).filter(|&b| b != a) {
+                    if next(3) != 0 {
+                        g.nvlink.push((b, 1 + next(3) as u32));
+                    }
+                }
+            }
+            let n = node("n", gpus);
+            let links = nvlink_table(&n);
+            for a in 0..count {
+                for b in 0..count {
+                    assert_eq!(links[a * count + b], n.gpus()[a].nvlinks_to(b));
+                }
+            }
+            let idle: Vec<usize> = (0..count).filter(|&p| n.gpus()[p].is_idle()).collect();
+            let size = 2 + next(count as u64 - 1) as usize;
+            let scores = pair_scores(&n);
+            let mut best: Option<(Vec<usize>, u64)> = None;
+            for set in subsets(&idle, size) {
+                let linked = set
+                    .iter()
+                    .enumerate()
+                    .all(|(i, &a)| set[i + 1..].iter().all(|&b| n.gpus()[a].nvlinks_to(b) > 0));
+                let score = set_score(&scores, &set);
+                if linked && best.as_ref().is_none_or(|(_, b)| score > *b) {
+                    best = Some((set, score));
+                }
+            }
+            found += usize::from(best.is_some());
+            assert_eq!(nvlink_clique(&n, &scores, &idle, size), best, "{:?}", n.gpus());
+        }
+        assert!(found > 100, "only {found} of 400 nodes had a set");
+    }
+
+    #[test]
+    fn the_largest_node_and_pod_get_a_set_within_the_search_bounds() {
+        // 64 GPUs (node::MAX_GPUS), every pair NVLinked: 32 of them all linked, or any 61.
+        let gpus: Vec<GpuState> = (0..64)
+            .map(|i| GpuState {
+                nvlink: (0..64).filter(|&p| p != i).map(|p| (p, 18)).collect(),
+                ..gpu(i, 81920, 81920)
+            })
+            .collect();
+        let n = node("big", gpus);
+        let mut p = pod(Demand::Whole { count: 32 }, WorkloadClass::Offline);
+        p.topology = TopologyNeed::NvLink;
+        let (set, score) = check(&n, &p).expect("fits").set.expect("a set");
+        assert_eq!(set.len(), 32);
+        assert_eq!(score, set_score(&pair_scores(&n), &set));
+        p.demand = Demand::Whole { count: 61 };
+        p.topology = TopologyNeed::Any;
+        let (set, _) = check(&n, &p).expect("fits").set.expect("a set");
+        assert_eq!(set.len(), 61);
+        assert!(set.windows(2).all(|w| w[0] < w[1]), "{set:?}");
     }
 
     #[test]

@@ -12,6 +12,7 @@
 
 use std::collections::BTreeMap;
 use std::fmt;
+use std::marker::PhantomData;
 
 use k8s_openapi::api::core::v1::Pod;
 use serde::Serialize;
@@ -22,8 +23,25 @@ use serde_json::value::RawValue;
 pub const MIN_EXTENDER_PRIORITY: i64 = 0;
 pub const MAX_EXTENDER_PRIORITY: i64 = 10;
 
+/// At most this many nodes in one request: names in `NodeNames`, nodes in `Nodes`, entries of
+/// preempt's victim maps. Three times the 5,000 nodes a Kubernetes cluster is tested to (and
+/// kube-scheduler sends the extender a sample of its feasible nodes, 500 of 5,000 by default). Enforced
+/// while the request is parsed: 650,000 names in 16 MiB took the scorer to 752 MB before.
+pub const MAX_NODES: usize = 15_000;
+/// Node names are DNS subdomains: at most 253 bytes.
+pub const MAX_NODE_NAME_BYTES: usize = 253;
+
+/// Victims in one `preempt` request, over all its nodes. kube-scheduler proposes a few victims on each
+/// of at most max(100, 10% of the nodes) candidates by default. As whole pods (the `Nodes` form) each
+/// costs 2 KiB parsed, even when sent as `{}`: 5.6 million of those fit in 16 MiB.
+pub const MAX_VICTIM_PODS: usize = 10_000;
+/// Victims by UID in one `preempt` request (the `NodeNames` form), over all its nodes.
+pub const MAX_VICTIM_UIDS: usize = 100_000;
+
 /// Implements `Deserialize` for a struct whose fields all have defaults, matching each Go key
 /// case-insensitively; a JSON `null` leaves the default, unknown keys are skipped (as Go does).
+/// Each key's value is read as the type given (a field's own type, or a bounded form of it such as
+/// [`AtMost`]) and converted into the field with `Into`.
 macro_rules! case_insensitive {
     ($ty:ident { $($field:ident : $fty:ty => $key:literal),* $(,)? }) => {
         impl<'de> Deserialize<'de> for $ty {
@@ -40,7 +58,7 @@ macro_rules! case_insensitive {
                             $(
                                 if key.eq_ignore_ascii_case($key) {
                                     let value: Option<$fty> = map.next_value()?;
-                                    out.$field = value.unwrap_or_default();
+                                    out.$field = value.map(Into::into).unwrap_or_default();
                                     continue;
                                 }
                             )*
@@ -201,10 +219,25 @@ impl fmt::Debug for NodeNames {
 }
 
 impl NodeNames {
+    /// Refuses one more name when the list is full or the name is longer than a node name can be.
+    fn room_for(&self, name: &str) -> Result<(), String> {
+        if self.len() == MAX_NODES {
+            return Err(Nodes::too_many());
+        }
+        if name.len() > MAX_NODE_NAME_BYTES {
+            return Err(format!(
+                "a node name of {} bytes (Kubernetes node names have at most {MAX_NODE_NAME_BYTES})",
+                name.len()
+            ));
+        }
+        Ok(())
+    }
+
     /// The names of a JSON array of strings none of which has an escape (node names as Kubernetes
-    /// allows them never do), taken straight from the text; `None` for anything else. `text` must be
-    /// JSON already checked by serde_json: this only splits it.
-    fn split_plain(text: &str) -> Option<NodeNames> {
+    /// allows them never do), taken straight from the text; `None` for anything else, `Some(Err)` past
+    /// the limits ([`MAX_NODES`], [`MAX_NODE_NAME_BYTES`]). `text` must be JSON already checked by
+    /// serde_json: this only splits it.
+    fn split_plain(text: &str) -> Option<Result<NodeNames, String>> {
         let b = text.as_bytes();
         let skip_space = |i: &mut usize| {
             while b
@@ -226,7 +259,7 @@ impl NodeNames {
             ..NodeNames::default()
         };
         if b.get(i) == Some(&b']') {
-            return Some(names);
+            return Some(Ok(names));
         }
         loop {
             if b.get(i) != Some(&b'"') {
@@ -239,7 +272,11 @@ impl NodeNames {
             if b[i] != b'"' {
                 return None;
             }
-            names.append(&text[start..i]);
+            let name = &text[start..i];
+            if let Err(e) = names.room_for(name) {
+                return Some(Err(e));
+            }
+            names.append(name);
             i += 1;
             skip_space(&mut i);
             match b.get(i) {
@@ -247,7 +284,7 @@ impl NodeNames {
                     i += 1;
                     skip_space(&mut i);
                 }
-                Some(b']') => return Some(names),
+                Some(b']') => return Some(Ok(names)),
                 _ => return None,
             }
         }
@@ -302,7 +339,7 @@ impl<'de> Deserialize<'de> for NodeNames {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         let raw = Box::<RawValue>::deserialize(d)?;
         if let Some(names) = NodeNames::split_plain(raw.get()) {
-            return Ok(names);
+            return names.map_err(serde::de::Error::custom);
         }
         struct Names;
         impl<'de> Visitor<'de> for Names {
@@ -345,6 +382,7 @@ impl<'de> Visitor<'de> for Append<'_> {
         f.write_str("a node name (a string)")
     }
     fn visit_str<E: serde::de::Error>(self, name: &str) -> Result<(), E> {
+        self.0.room_for(name).map_err(E::custom)?;
         self.0.push(name);
         Ok(())
     }
@@ -365,8 +403,135 @@ case_insensitive!(NodeList {
     api_version: Option<String> => "apiVersion",
     kind: Option<String> => "kind",
     metadata: serde_json::Value => "metadata",
-    items: Vec<Box<RawValue>> => "items",
+    items: AtMost<Vec<Box<RawValue>>, Nodes> => "items",
 });
+
+/// A JSON array or object of at most `B::MAX` entries, refused as soon as the parser meets one more:
+/// what a request holds in memory is bounded by these limits, not only by `maxBodyBytes`.
+pub struct AtMost<T, B>(T, PhantomData<B>);
+
+/// What an [`AtMost`] counts, and how many it accepts.
+pub trait Bound {
+    const MAX: usize;
+    const WHAT: &'static str;
+
+    fn too_many() -> String {
+        format!(
+            "more than {} {} in one request (the scorer's limit)",
+            Self::MAX,
+            Self::WHAT
+        )
+    }
+}
+
+/// Nodes: [`MAX_NODES`].
+pub enum Nodes {}
+
+impl Bound for Nodes {
+    const MAX: usize = MAX_NODES;
+    const WHAT: &'static str = "nodes";
+}
+
+/// Victims given as whole pods (`NodeNameToVictims`), over all nodes of a request: [`MAX_VICTIM_PODS`].
+pub enum VictimPods {}
+
+impl Bound for VictimPods {
+    const MAX: usize = MAX_VICTIM_PODS;
+    const WHAT: &'static str = "victim pods";
+}
+
+/// Victims given by UID (`NodeNameToMetaVictims`), over all nodes of a request: [`MAX_VICTIM_UIDS`].
+pub enum VictimUids {}
+
+impl Bound for VictimUids {
+    const MAX: usize = MAX_VICTIM_UIDS;
+    const WHAT: &'static str = "victim UIDs";
+}
+
+impl<V, B> From<AtMost<Vec<V>, B>> for Vec<V> {
+    fn from(list: AtMost<Vec<V>, B>) -> Vec<V> {
+        list.0
+    }
+}
+
+impl<V, B> From<AtMost<BTreeMap<String, V>, B>> for Option<BTreeMap<String, V>> {
+    fn from(map: AtMost<BTreeMap<String, V>, B>) -> Option<BTreeMap<String, V>> {
+        Some(map.0)
+    }
+}
+
+impl<'de, V: Deserialize<'de>, B: Bound> Deserialize<'de> for AtMost<Vec<V>, B> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct List<V, B>(PhantomData<(V, B)>);
+        impl<'de, V: Deserialize<'de>, B: Bound> Visitor<'de> for List<V, B> {
+            type Value = AtMost<Vec<V>, B>;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                write!(f, "a JSON array of at most {} {}", B::MAX, B::WHAT)
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+                // The hint is the sender's word: trust it only so far.
+                let mut out = Vec::with_capacity(seq.size_hint().unwrap_or(0).min(4096));
+                while let Some(v) = seq.next_element()? {
+                    if out.len() == B::MAX {
+                        return Err(serde::de::Error::custom(B::too_many()));
+                    }
+                    out.push(v);
+                }
+                Ok(AtMost(out, PhantomData))
+            }
+        }
+        d.deserialize_seq(List(PhantomData))
+    }
+}
+
+/// A value of a map bounded by [`AtMost`] that holds entries of its own, bounded over the whole map.
+pub trait Holds {
+    type Bound: Bound;
+    fn held(&self) -> usize;
+}
+
+impl Holds for Option<Victims> {
+    type Bound = VictimPods;
+    fn held(&self) -> usize {
+        self.as_ref().map_or(0, |v| v.pods.len())
+    }
+}
+
+impl Holds for Option<MetaVictims> {
+    type Bound = VictimUids;
+    fn held(&self) -> usize {
+        self.as_ref().map_or(0, |v| v.pods.len())
+    }
+}
+
+impl<'de, V: Deserialize<'de> + Holds, B: Bound> Deserialize<'de> for AtMost<BTreeMap<String, V>, B> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Map<V, B>(PhantomData<(V, B)>);
+        impl<'de, V: Deserialize<'de> + Holds, B: Bound> Visitor<'de> for Map<V, B> {
+            type Value = AtMost<BTreeMap<String, V>, B>;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                write!(f, "a JSON object of at most {} {}", B::MAX, B::WHAT)
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+                let mut out = BTreeMap::new();
+                let mut held = 0usize;
+                while let Some((k, v)) = map.next_entry::<String, V>()? {
+                    // Each value's own list is bounded as it is parsed; this bounds their sum.
+                    held = held.saturating_add(v.held());
+                    if held > <V::Bound as Bound>::MAX {
+                        return Err(serde::de::Error::custom(<V::Bound as Bound>::too_many()));
+                    }
+                    if out.len() == B::MAX {
+                        return Err(serde::de::Error::custom(B::too_many()));
+                    }
+                    out.insert(k, v);
+                }
+                Ok(AtMost(out, PhantomData))
+            }
+        }
+        d.deserialize_map(Map(PhantomData))
+    }
+}
 
 /// `FailedNodesMap`: node name → why the pod cannot go there.
 pub type FailedNodesMap = BTreeMap<String, String>;
@@ -517,8 +682,8 @@ pub struct ExtenderPreemptionArgs {
 
 case_insensitive!(ExtenderPreemptionArgs {
     pod: Option<Pod> => "Pod",
-    node_name_to_victims: Option<BTreeMap<String, Option<Victims>>> => "NodeNameToVictims",
-    node_name_to_meta_victims: Option<BTreeMap<String, Option<MetaVictims>>> => "NodeNameToMetaVictims",
+    node_name_to_victims: AtMost<BTreeMap<String, Option<Victims>>, Nodes> => "NodeNameToVictims",
+    node_name_to_meta_victims: AtMost<BTreeMap<String, Option<MetaVictims>>, Nodes> => "NodeNameToMetaVictims",
 });
 
 /// `Victims`: the pods kube-scheduler would preempt on one node, in full.
@@ -529,7 +694,7 @@ pub struct Victims {
 }
 
 case_insensitive!(Victims {
-    pods: Vec<Pod> => "Pods",
+    pods: AtMost<Vec<Pod>, VictimPods> => "Pods",
     num_pdb_violations: i64 => "NumPDBViolations",
 });
 
@@ -552,7 +717,7 @@ pub struct MetaVictims {
 }
 
 case_insensitive!(MetaVictims {
-    pods: Vec<MetaPod> => "Pods",
+    pods: AtMost<Vec<MetaPod>, VictimUids> => "Pods",
     num_pdb_violations: i64 => "NumPDBViolations",
 });
 

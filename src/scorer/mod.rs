@@ -20,7 +20,7 @@ pub mod preempt;
 pub mod server;
 pub mod state;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
@@ -75,6 +75,15 @@ pub struct TypicalEntry {
     pub share: f64,
 }
 
+/// The default `maxBodyBytes`: 16 MiB. The largest request kube-scheduler sends in the `NodeNames` form
+/// is under 4 MiB (15,000 names of 253 bytes, [`extender::MAX_NODES`]); in the `Nodes` form, 16 MiB is
+/// 1,000 nodes of 16 KiB (kube-scheduler sends a sample: 500 of 5,000 nodes by default). Measured
+/// (VmHWM of the scorer process, release build, node cache of 5,000 nodes of 8 GPUs: 75 MB):
+/// 15,000 unknown names of 253 bytes, filter then prioritize: 114 MB; twelve different `Nodes`-form
+/// requests of 16 MiB (4,000 nodes of 8 GPUs each), filter then prioritize each: FIGURE. With 64 MiB
+/// the `Nodes` form alone reached 376 MB in one request, 729 MB in six: the deployed limit is 512 Mi.
+pub const DEFAULT_MAX_BODY_BYTES: usize = 16 << 20;
+
 /// The scorer's configuration (`--config`, YAML, camelCase keys; every key optional).
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(default, rename_all = "camelCase", deny_unknown_fields)]
@@ -94,7 +103,7 @@ pub struct Config {
     pub online_min_priority: Option<i32>,
     /// How long a bind's reservation lasts if the agent never reports the pod.
     pub ledger_ttl_seconds: u64,
-    /// Largest request body accepted.
+    /// Largest request body accepted (see [`DEFAULT_MAX_BODY_BYTES`]).
     pub max_body_bytes: usize,
     /// The kube-scheduler profiles whose pods `bind` binds (a pod's `spec.schedulerName`); a pod of
     /// any other scheduler is refused, so a stray caller cannot make the scorer bind it.
@@ -124,7 +133,7 @@ impl Default for Config {
             online_priority_classes: Vec::new(),
             online_min_priority: None,
             ledger_ttl_seconds: 120,
-            max_body_bytes: 64 << 20,
+            max_body_bytes: DEFAULT_MAX_BODY_BYTES,
             scheduler_names: vec!["default-scheduler".into(), "gpumem-scheduler".into()],
             typical_mix: vec![
                 mem(2048, 0.15),
@@ -190,8 +199,10 @@ impl Config {
     }
 }
 
-/// Victims per node: the pod objects where known, their UIDs, kube-scheduler's PDB violation count.
-type Proposed = BTreeMap<String, (Vec<Option<Arc<Pod>>>, Vec<String>, i64)>;
+/// One node's victims: the pod objects where known, their UIDs, kube-scheduler's PDB violation count.
+type ProposedVictims = (Vec<Option<Arc<Pod>>>, Vec<String>, i64);
+/// Victims per node.
+type Proposed = BTreeMap<String, ProposedVictims>;
 
 /// A request the scorer cannot work with (HTTP 400).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -245,6 +256,8 @@ impl Scorer {
             online_priority_classes: config.online_priority_classes.clone(),
             online_min_priority: config.online_min_priority,
         };
+        // The nodes of the last requests, up to twice the largest request.
+        let raw_nodes = RawNodeCache::new(config.max_body_bytes.saturating_mul(2));
         Scorer {
             ledger: Ledger::new(Duration::from_secs(config.ledger_ttl_seconds)),
             config,
@@ -253,7 +266,7 @@ impl Scorer {
             pods,
             client,
             rules,
-            raw_nodes: RawNodeCache::default(),
+            raw_nodes,
             policy_cache: decide::PolicyCache::default(),
             last_nodes: Mutex::new(Vec::new()),
             gauges_at: Mutex::new(None),
@@ -407,6 +420,8 @@ impl Scorer {
         };
         match demand {
             Err(reason) => {
+                // Once, not per node: the reason may quote the pod's annotations.
+                let reason = decide::bounded_reason(reason);
                 for i in 0..states.len() {
                     reject(
                         i,
@@ -728,9 +743,10 @@ impl Scorer {
     }
 
     /// `preempt`: per node, the victims that free room for the pod's GPUs (nodes where that cannot be
-    /// done from preemptible pods are dropped).
+    /// done from preemptible pods are dropped). The node states and PodDisruptionBudgets are read here;
+    /// the victims are chosen on tokio's blocking pool, off the async workers.
     pub async fn preempt(
-        &self,
+        self: &Arc<Self>,
         args: ExtenderPreemptionArgs,
     ) -> Result<ExtenderPreemptionResult, BadRequest> {
         let start = Instant::now();
@@ -749,13 +765,19 @@ impl Scorer {
                 proposed.insert(node, (pods, uids, v.num_pdb_violations));
             }
         } else if let Some(map) = args.node_name_to_meta_victims {
+            let wanted: HashSet<&str> = map
+                .values()
+                .flatten()
+                .flat_map(|v| v.pods.iter().map(|p| p.uid.as_str()))
+                .collect();
+            let known = match &self.pods {
+                Some(cache) => cache.by_uids(&wanted),
+                None => HashMap::new(),
+            };
             for (node, v) in map {
                 let v = v.unwrap_or_default();
                 let uids: Vec<String> = v.pods.into_iter().map(|p| p.uid).collect();
-                let pods = uids
-                    .iter()
-                    .map(|u| self.pods.as_ref().and_then(|c| c.by_uid(u)))
-                    .collect();
+                let pods = uids.iter().map(|u| known.get(u).cloned()).collect();
                 proposed.insert(node, (pods, uids, v.num_pdb_violations));
             }
         }
@@ -779,14 +801,33 @@ impl Scorer {
             }
         };
         let pdbs = self.pdbs(&proposed).await;
-        for (node_name, (pods, uids, num_pdb)) in proposed {
-            let mut node = match self.node_state(&node_name).await {
-                Ok(n) => n,
-                Err(e) => {
-                    tracing::warn!("preempt: {e}");
-                    continue;
-                }
-            };
+        let mut nodes = Vec::with_capacity(proposed.len());
+        for (node_name, victims) in proposed {
+            match self.node_state(&node_name).await {
+                Ok(node) => nodes.push((node_name, node, victims)),
+                Err(e) => tracing::warn!("preempt: {e}"),
+            }
+        }
+        let scorer = self.clone();
+        let chosen = tokio::task::spawn_blocking(move || scorer.choose_victims(&d, nodes, pdbs.as_deref()))
+            .await
+            .map_err(|e| {
+                tracing::error!("preempt: choosing the victims failed: {e}");
+                BadRequest(format!("choosing the victims failed: {e}"))
+            })?;
+        self.observe("preempt", start);
+        Ok(chosen)
+    }
+
+    /// The victims to keep on each node (see [`preempt::select_victims`]).
+    fn choose_victims(
+        &self,
+        d: &PodDemand,
+        nodes: Vec<(String, NodeState, ProposedVictims)>,
+        pdbs: Option<&[PodDisruptionBudget]>,
+    ) -> ExtenderPreemptionResult {
+        let mut result = ExtenderPreemptionResult::default();
+        for (node_name, mut node, (pods, uids, num_pdb)) in nodes {
             self.ledger.apply(&mut node);
             if pods.iter().any(Option::is_none) {
                 tracing::warn!("preempt: a victim on {node_name} is unknown to the scorer; node skipped");
@@ -794,10 +835,10 @@ impl Scorer {
             }
             let pods: Vec<&Pod> = pods.iter().flatten().map(|p| p.as_ref()).collect();
             let mut victims: Vec<VictimInfo> = pods.iter().map(|p| VictimInfo::from_pod(p, &node)).collect();
-            if let Some(pdbs) = &pdbs {
+            if let Some(pdbs) = pdbs {
                 preempt::mark_pdb_violations(&mut victims, &pods, pdbs);
             }
-            if let Some((keep, violations)) = preempt::select_victims(&node, &d, &victims, num_pdb) {
+            if let Some((keep, violations)) = preempt::select_victims(&node, d, &victims, num_pdb) {
                 result.node_name_to_meta_victims.insert(
                     node_name,
                     MetaVictims {
@@ -810,8 +851,7 @@ impl Scorer {
                 );
             }
         }
-        self.observe("preempt", start);
-        Ok(result)
+        result
     }
 
     /// The PodDisruptionBudgets of the victims' namespaces; `None` if they cannot be read.

@@ -2,8 +2,10 @@
 //!
 //! Routes by the last path segment, so any `urlPrefix` works: `POST .../filter`, `.../prioritize`,
 //! `.../bind`, `.../preempt`; `GET /healthz`, `GET /metrics`. Bodies over `maxBodyBytes` get 413,
-//! malformed JSON 400 with serde's message; an error inside a verb is reported in the protocol's
-//! `Error` field.
+//! malformed JSON 400 with serde's message, as do requests past the extender's limits (more than
+//! `extender::MAX_NODES` nodes, say), refused while they are parsed; an error inside a verb is
+//! reported in the protocol's `Error` field. `filter`, `prioritize` and `preempt` decode and decide on
+//! tokio's blocking pool, so that a heavy request never holds up `/healthz` or `/metrics`.
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -20,7 +22,7 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 use tokio::net::TcpListener;
 
-use super::Scorer;
+use super::{BadRequest, Scorer};
 
 type Reply = Response<Full<Bytes>>;
 
@@ -88,8 +90,8 @@ fn json<T: Serialize>(value: &T) -> Reply {
     }
 }
 
-/// Reads and decodes a JSON body within the size limit.
-async fn body<T: DeserializeOwned>(req: Request<Incoming>, limit: usize, what: &str) -> Result<T, Reply> {
+/// Reads a body within the size limit.
+async fn read_body(req: Request<Incoming>, limit: usize, what: &str) -> Result<Bytes, Reply> {
     let too_large = || {
         text(
             StatusCode::PAYLOAD_TOO_LARGE,
@@ -104,18 +106,62 @@ async fn body<T: DeserializeOwned>(req: Request<Incoming>, limit: usize, what: &
     if declared.is_some_and(|n| n > limit as u64) {
         return Err(too_large());
     }
-    let bytes = match Limited::new(req.into_body(), limit).collect().await {
-        Ok(collected) => collected.to_bytes(),
-        Err(e) if e.is::<LengthLimitError>() => return Err(too_large()),
-        Err(e) => {
-            return Err(text(
-                StatusCode::BAD_REQUEST,
-                format!("reading the {what} body: {e}"),
-            ));
-        }
+    match Limited::new(req.into_body(), limit).collect().await {
+        Ok(collected) => Ok(collected.to_bytes()),
+        Err(e) if e.is::<LengthLimitError>() => Err(too_large()),
+        Err(e) => Err(text(
+            StatusCode::BAD_REQUEST,
+            format!("reading the {what} body: {e}"),
+        )),
+    }
+}
+
+/// Decodes a JSON body (the extender types refuse more than their limits while parsing, e.g.
+/// `extender::MAX_NODES` nodes).
+fn decode<T: DeserializeOwned>(bytes: &[u8], what: &str) -> Result<T, BadRequest> {
+    serde_json::from_slice(bytes).map_err(|e| BadRequest(format!("malformed {what} request: {e}")))
+}
+
+/// Runs `work` on tokio's blocking pool, so that the async workers keep serving `/healthz`, `/metrics`
+/// and other requests meanwhile: a decision over thousands of nodes, or a few nodes with many GPUs,
+/// takes milliseconds to seconds of CPU. `spawn_blocking` rather than `block_in_place`: it needs no
+/// multi-threaded runtime (`block_in_place` panics on a current-thread one) and never holds a worker.
+async fn off_workers<T: Send + 'static>(
+    scorer: &Scorer,
+    verb: &'static str,
+    work: impl FnOnce() -> T + Send + 'static,
+) -> Result<T, Reply> {
+    tokio::task::spawn_blocking(work).await.map_err(|e| {
+        // A panic in a decision is a bug: the caller gets an error, the scorer lives on.
+        tracing::error!(verb, "decision failed: {e}");
+        let message = format!("the {verb} decision failed: {e}");
+        refused(scorer, verb, text(StatusCode::INTERNAL_SERVER_ERROR, message))
+    })
+}
+
+/// `filter` and `prioritize`: the body is read here, then decoded, decided and encoded off the async
+/// workers ([`off_workers`]).
+async fn decide_off_workers<A: DeserializeOwned + 'static>(
+    scorer: &Arc<Scorer>,
+    req: Request<Incoming>,
+    verb: &'static str,
+    decide: fn(&Scorer, A) -> Result<Vec<u8>, BadRequest>,
+) -> Reply {
+    let bytes = match read_body(req, scorer.config.max_body_bytes, verb).await {
+        Ok(bytes) => bytes,
+        Err(r) => return refused(scorer, verb, r),
     };
-    serde_json::from_slice(&bytes)
-        .map_err(|e| text(StatusCode::BAD_REQUEST, format!("malformed {what} request: {e}")))
+    let s = scorer.clone();
+    let answer = off_workers(scorer, verb, move || {
+        let args = decode(&bytes, verb);
+        // The request's text is not read again: not held beside the answer.
+        drop(bytes);
+        match args.and_then(|args| decide(&s, args)) {
+            Ok(body) => reply(StatusCode::OK, "application/json", body),
+            Err(e) => bad(&s, verb, e),
+        }
+    });
+    answer.await.unwrap_or_else(|r| r)
 }
 
 /// How long a verb waits for the caches' first lists before answering 503: well inside kube-scheduler's
@@ -123,7 +169,7 @@ async fn body<T: DeserializeOwned>(req: Request<Incoming>, limit: usize, what: &
 /// recording it unschedulable on every node.
 const SYNC_WAIT: Duration = Duration::from_secs(3);
 
-async fn handle(scorer: &Scorer, req: Request<Incoming>) -> Reply {
+async fn handle(scorer: &Arc<Scorer>, req: Request<Incoming>) -> Reply {
     let path = req.uri().path().trim_end_matches('/');
     let verb = path.rsplit('/').next().unwrap_or("").to_string();
     let limit = scorer.config.max_body_bytes;
@@ -156,28 +202,32 @@ async fn handle(scorer: &Scorer, req: Request<Incoming>) -> Reply {
                 scorer.metrics.encode(),
             )
         }
-        (&Method::POST, "filter") => match body(req, limit, "filter").await {
-            Ok(args) => match scorer.filter(args) {
-                Ok(r) => reply(StatusCode::OK, "application/json", r.to_json()),
-                Err(e) => bad(scorer, "filter", e),
+        (&Method::POST, "filter") => {
+            let filter = |s: &Scorer, args| s.filter(args).map(|r| r.to_json());
+            decide_off_workers(scorer, req, "filter", filter).await
+        }
+        (&Method::POST, "prioritize") => {
+            let prioritize = |s: &Scorer, args| s.prioritize(args).map(|r| r.to_json());
+            decide_off_workers(scorer, req, "prioritize", prioritize).await
+        }
+        // A bind decides for one node (bounded work) between API calls: it stays here.
+        (&Method::POST, "bind") => match read_body(req, limit, "bind").await {
+            Ok(bytes) => match decode(&bytes, "bind") {
+                Ok(args) => json(&scorer.bind(args).await),
+                Err(e) => bad(scorer, "bind", e),
             },
-            Err(r) => refused(scorer, "filter", r),
-        },
-        (&Method::POST, "prioritize") => match body(req, limit, "prioritize").await {
-            Ok(args) => match scorer.prioritize(args) {
-                Ok(r) => reply(StatusCode::OK, "application/json", r.to_json()),
-                Err(e) => bad(scorer, "prioritize", e),
-            },
-            Err(r) => refused(scorer, "prioritize", r),
-        },
-        (&Method::POST, "bind") => match body(req, limit, "bind").await {
-            Ok(args) => json(&scorer.bind(args).await),
             Err(r) => refused(scorer, "bind", r),
         },
-        (&Method::POST, "preempt") => match body(req, limit, "preempt").await {
-            Ok(args) => match scorer.preempt(args).await {
-                Ok(r) => json(&r),
-                Err(e) => bad(scorer, "preempt", e),
+        // Decoded off the workers (whole Pods in the `Nodes` form); `preempt` chooses the victims off
+        // them too, between the API calls it makes.
+        (&Method::POST, "preempt") => match read_body(req, limit, "preempt").await {
+            Ok(bytes) => match off_workers(scorer, "preempt", move || decode(&bytes, "preempt")).await {
+                Ok(Ok(args)) => match scorer.preempt(args).await {
+                    Ok(r) => json(&r),
+                    Err(e) => bad(scorer, "preempt", e),
+                },
+                Ok(Err(e)) => bad(scorer, "preempt", e),
+                Err(r) => r,
             },
             Err(r) => refused(scorer, "preempt", r),
         },
@@ -189,7 +239,7 @@ async fn handle(scorer: &Scorer, req: Request<Incoming>) -> Reply {
     }
 }
 
-fn bad(scorer: &Scorer, verb: &'static str, e: super::BadRequest) -> Reply {
+fn bad(scorer: &Scorer, verb: &'static str, e: BadRequest) -> Reply {
     scorer.error(verb);
     text(StatusCode::BAD_REQUEST, e.0)
 }

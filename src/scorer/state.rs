@@ -8,10 +8,11 @@ use std::collections::BTreeMap;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use serde::Deserialize;
 
+use super::decide::bounded_reason;
 use crate::alloc::{GpuMask, MAX_GPUS_PER_NODE};
 use crate::node::{
-    ASSIGNED_GPUS_ANNOTATION, GpuMode, Health, TOPOLOGY_ANNOTATION, TopologyAnnotation, USAGE_ANNOTATION,
-    UsageAnnotation, label_value,
+    ASSIGNED_GPUS_ANNOTATION, AnnotationError, GpuMode, Health, TOPOLOGY_ANNOTATION, TopologyAnnotation,
+    USAGE_ANNOTATION, UsageAnnotation, label_value,
 };
 use crate::quantity::{Quantity, QuantityError};
 
@@ -24,6 +25,8 @@ pub const MEM_UNIT_LABEL: &str = "gpumem.io/mem-unit-mib";
 /// Pod annotation: acceptable GPU models, comma-separated (as in the topology annotation, or as in the
 /// `nvidia.com/gpu.product` label, compared case-insensitively).
 pub const GPU_MODELS_ANNOTATION: &str = "gpumem.io/gpu-models";
+/// The longest [`GPU_MODELS_ANNOTATION`] read, in bytes (a few dozen model names).
+pub const MAX_MODELS_ANNOTATION_BYTES: usize = 4096;
 /// Pod annotation: what a multi-GPU pod needs of its GPUs: `nvlink`, `numa`, `pcie-switch` or `any`.
 pub const GPU_TOPOLOGY_ANNOTATION: &str = "gpumem.io/gpu-topology-policy";
 /// Pod label or annotation: `online` (latency-sensitive) or `offline` (batch).
@@ -244,7 +247,8 @@ impl NodeState {
             memory_mib: 0,
             gpus: Vec::new(),
             summary: GpuSummary::default(),
-            problem: Some(problem),
+            // Every filter answer that lists this node quotes it: kept short.
+            problem: Some(bounded_reason(problem)),
         }
     }
 
@@ -264,13 +268,13 @@ impl NodeState {
         };
         state.cpu_milli = read(cpu, Quantity::millis_ceil);
         state.memory_mib = read(memory, Quantity::mib_ceil);
-        match read_gpus(labels, annotations) {
+        match read_gpus(name, labels, annotations) {
             Ok((unit, gpus)) => {
                 state.unit_mib = unit;
                 *state.gpus_mut() = gpus;
                 state.problem = None;
             }
-            Err(problem) => state.problem = Some(problem),
+            Err(problem) => state.problem = Some(bounded_reason(problem)),
         }
         state
     }
@@ -304,17 +308,25 @@ struct StatusView {
 }
 
 fn read_gpus(
+    node: &str,
     labels: &BTreeMap<String, String>,
     annotations: &BTreeMap<String, String>,
 ) -> Result<(u64, Vec<GpuState>), String> {
+    let refused = |e: AnnotationError| {
+        // Not a typo or an old agent: a node claiming more than any real one (a compromised node?).
+        if matches!(e, AnnotationError::Refused { .. }) {
+            tracing::warn!(node, "{e}");
+        }
+        e.to_string()
+    };
     let topology_json = annotations.get(TOPOLOGY_ANNOTATION).ok_or_else(|| {
         format!("node has no {TOPOLOGY_ANNOTATION} annotation (is the gpumem agent running on it?)")
     })?;
     let usage_json = annotations.get(USAGE_ANNOTATION).ok_or_else(|| {
         format!("node has no {USAGE_ANNOTATION} annotation (is the gpumem agent running on it?)")
     })?;
-    let topology = TopologyAnnotation::parse(topology_json).map_err(|e| e.to_string())?;
-    let usage = UsageAnnotation::parse(usage_json).map_err(|e| e.to_string())?;
+    let topology = TopologyAnnotation::parse(topology_json).map_err(refused)?;
+    let usage = UsageAnnotation::parse(usage_json).map_err(refused)?;
     let unit = match labels.get(MEM_UNIT_LABEL) {
         None => topology.mem_unit_mib,
         Some(label) => match label.parse::<u64>() {
@@ -328,12 +340,7 @@ fn read_gpus(
             Err(_) => return Err(format!("label {MEM_UNIT_LABEL}={label:?} is not a number")),
         },
     };
-    if topology.gpus.len() > MAX_GPUS_PER_NODE {
-        return Err(format!(
-            "{TOPOLOGY_ANNOTATION} lists {} GPUs, at most {MAX_GPUS_PER_NODE} are supported",
-            topology.gpus.len()
-        ));
-    }
+    // `parse` refused more than MAX_GPUS_PER_NODE GPUs (node::MAX_GPUS), so a mask holds them all.
     let mut topo = topology.gpus;
     topo.sort_by_key(|g| g.index);
     let position = |index: u32| topo.iter().position(|g| g.index == index);
@@ -568,7 +575,15 @@ pub fn pod_demand(pod: &Pod, rules: &ClassRules) -> Result<Option<PodDemand>, St
             .or_else(|| annotations.and_then(|a| a.get(k)))
             .map(|v| v.trim().to_ascii_lowercase())
     };
-    let models = annotations.and_then(|a| a.get(GPU_MODELS_ANNOTATION)).map(|v| {
+    let models = annotations.and_then(|a| a.get(GPU_MODELS_ANNOTATION));
+    // Rejections quote the list, once per node: a list longer than any real one is refused outright.
+    if let Some(v) = models.filter(|v| v.len() > MAX_MODELS_ANNOTATION_BYTES) {
+        return Err(format!(
+            "annotation {GPU_MODELS_ANNOTATION} has {} bytes, at most {MAX_MODELS_ANNOTATION_BYTES} are read",
+            v.len()
+        ));
+    }
+    let models = models.map(|v| {
         v.split(',')
             .map(|m| m.trim().to_ascii_lowercase())
             .filter(|m| !m.is_empty())
