@@ -3,135 +3,19 @@
 
 mod support;
 
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::path::PathBuf;
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use gpumem::node::ROOM_FREED_LABEL as ROOM_FREED;
 use gpumem::plugin::proto::v1beta1::Device;
-use support::InjectFile;
+use support::agent::Node;
 use support::apiserver::{FakeApiServer, Recorded, metadata_maps, pod_with_choice};
-use support::kubelet::{Authority, FakeKubelet, FakePodResources};
+use support::kubelet::Authority;
 
 const GPU: &str = "nvidia.com/gpu";
 const MEM: &str = "nvidia.com/gpu-mem";
 const WAIT: Duration = Duration::from_secs(20);
-
-/// A running agent; killed when dropped.
-struct Agent {
-    child: Child,
-    stderr: PathBuf,
-}
-
-impl Agent {
-    fn start(dir: &Path, profile: &str, inject: &Path, extra: &[&str], kubeconfig: Option<&Path>) -> Agent {
-        let stderr = dir.join(format!("agent-{}.log", std::process::id()));
-        let log = std::fs::File::options()
-            .create(true)
-            .append(true)
-            .open(&stderr)
-            .unwrap();
-        let child = Command::new(env!("CARGO_BIN_EXE_gpumem"))
-            .arg("agent")
-            .arg("--device-plugin-dir")
-            .arg(dir.join("plugins"))
-            .arg("--pod-resources-socket")
-            .arg(dir.join("pod-resources.sock"))
-            .args(["--health-quiet-period", "1", "--health-probe-interval", "1"])
-            .args(if extra.contains(&"--memory-limits") {
-                &[][..]
-            } else {
-                &["--memory-limits", "off"][..]
-            })
-            .args(extra)
-            .env("LD_LIBRARY_PATH", support::fake_nvml_dir())
-            .env("GPUMEM_FAKE_NVML_PROFILE", profile)
-            .env("GPUMEM_FAKE_NVML_INJECT", inject)
-            .env("RUST_LOG", "info")
-            .env_remove("NODE_NAME")
-            .envs(kubeconfig.map(|k| ("KUBECONFIG", k)))
-            .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()
-            .unwrap();
-        Agent { child, stderr }
-    }
-
-    fn log(&self) -> String {
-        std::fs::read_to_string(&self.stderr).unwrap_or_default()
-    }
-
-    /// SIGTERM, then the exit status.
-    fn terminate(mut self) -> std::process::ExitStatus {
-        let pid = self.child.id().to_string();
-        Command::new("kill").args(["-TERM", &pid]).status().unwrap();
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            if let Some(status) = self.child.try_wait().unwrap() {
-                return status;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "the agent did not exit on SIGTERM:\n{}",
-                self.log()
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    }
-}
-
-impl Drop for Agent {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// A node: temp dir, kubelet double, PodResources double, inject file.
-struct Node {
-    kubelet: FakeKubelet,
-    pods: FakePodResources,
-    inject: InjectFile,
-    /// Last: fields drop in order, and the doubles must stop writing here before it is removed.
-    dir: tempfile::TempDir,
-}
-
-impl Node {
-    /// A node whose kubelet is older than 1.26 (it sends the socket path as `:authority`).
-    async fn new() -> Node {
-        Node::with_kubelet(Authority::SocketPath).await
-    }
-
-    async fn with_kubelet(authority: Authority) -> Node {
-        let dir = tempfile::Builder::new().prefix("gpm").tempdir_in("/tmp").unwrap();
-        let kubelet = FakeKubelet::start_with(&dir.path().join("plugins"), authority).await;
-        let pods = FakePodResources::start(&dir.path().join("pod-resources.sock")).await;
-        let inject = InjectFile::new(dir.path().join("inject.toml"));
-        Node {
-            dir,
-            kubelet,
-            pods,
-            inject,
-        }
-    }
-
-    fn agent(&self, profile: &str, extra: &[&str]) -> Agent {
-        Agent::start(self.dir.path(), profile, self.inject.path(), extra, None)
-    }
-
-    /// An agent for Node `node-a` that talks to `api`.
-    fn agent_with_api(&self, profile: &str, api: &FakeApiServer, extra: &[&str]) -> Agent {
-        let mut args = vec!["--node-name", "node-a"];
-        args.extend_from_slice(extra);
-        Agent::start(
-            self.dir.path(),
-            profile,
-            self.inject.path(),
-            &args,
-            Some(api.kubeconfig()),
-        )
-    }
-}
 
 fn ids(devices: &[Device], healthy: bool) -> Vec<String> {
     devices
