@@ -7,6 +7,7 @@
 //! - [`inspect`]: `gpumem inspect`, a human view of all of the above;
 //! - [`alloc`]: the placement policy (which node, which GPUs), pure, shared by scorer, agent and simulator;
 //! - [`sim`]: `gpumem simulate`, replaying cluster traces through [`alloc`];
+//! - [`http`]: the HTTP/1.1 server of the scorer and of the agent's metrics, with its limits;
 //! - [`quantity`]: Kubernetes resource quantities (`5k`, `1.5Gi`, `500m`), read exactly as the API
 //!   server reads them, for the agent and the scorer;
 //! - [`names`]: Kubernetes object names, checked as the API server checks them.
@@ -14,6 +15,7 @@
 pub mod agent;
 pub mod alloc;
 pub mod gpu;
+pub mod http;
 pub mod inspect;
 pub mod names;
 pub mod node;

@@ -121,6 +121,16 @@ impl Conn {
         (status, body)
     }
 
+    /// Sends `bytes` as they are (part of a request, say).
+    pub async fn send(&mut self, bytes: &[u8]) {
+        self.stream.write_all(bytes).await.expect("write");
+    }
+
+    /// Whether the server closes this connection within `wait`.
+    pub async fn closed_within(&mut self, wait: Duration) -> bool {
+        closed_within(&mut self.stream, wait).await
+    }
+
     async fn fill(&mut self) {
         let mut chunk = [0u8; 64 * 1024];
         let n = self.stream.read(&mut chunk).await.expect("read");
@@ -131,6 +141,18 @@ impl Conn {
         );
         self.buf.extend_from_slice(&chunk[..n]);
     }
+}
+
+/// Whether the server closes `stream` (end of stream or reset) within `wait`; what it sends before
+/// is read and dropped.
+pub async fn closed_within(stream: &mut TcpStream, wait: Duration) -> bool {
+    let mut chunk = [0u8; 4096];
+    let closed = async {
+        while let Ok(n) = stream.read(&mut chunk).await
+            && n > 0
+        {}
+    };
+    tokio::time::timeout(wait, closed).await.is_ok()
 }
 
 fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {

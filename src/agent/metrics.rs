@@ -13,7 +13,6 @@ use std::sync::atomic::AtomicU64;
 use http_body_util::Full;
 use hyper::body::Bytes;
 use hyper::{Request, Response, StatusCode};
-use hyper_util::rt::TokioIo;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -25,6 +24,7 @@ use super::enforcement::Enforcement;
 use super::liveness::Liveness;
 use super::state::NodeState;
 use crate::gpu::NvmlSource;
+use crate::http::Limits;
 use crate::node::GpuMode;
 
 /// Every metric name the agent exports (the deploy tests hold dashboards and alerts to these).
@@ -343,25 +343,12 @@ pub async fn serve(addr: SocketAddr, scrape: Arc<Scrape>) -> anyhow::Result<()> 
         .await
         .map_err(|e| anyhow::anyhow!("cannot listen for metrics on {addr}: {e}"))?;
     tracing::info!(%addr, "serving /metrics and /healthz");
-    loop {
-        let (stream, _) = match listener.accept().await {
-            Ok(accepted) => accepted,
-            Err(err) => {
-                tracing::warn!(error = %err, "metrics connection failed");
-                continue;
-            }
-        };
+    let handler = move |req: Request<crate::http::Body>| {
         let scrape = Arc::clone(&scrape);
-        tokio::spawn(async move {
-            let service = hyper::service::service_fn(move |req: Request<hyper::body::Incoming>| {
-                let scrape = Arc::clone(&scrape);
-                async move { Ok::<_, std::convert::Infallible>(answer(req.uri().path(), scrape).await) }
-            });
-            let _ = hyper::server::conn::http1::Builder::new()
-                .serve_connection(TokioIo::new(stream), service)
-                .await;
-        });
-    }
+        async move { answer(req.uri().path(), scrape).await }
+    };
+    crate::http::serve(listener, Limits::default(), handler, std::future::pending()).await;
+    Ok(())
 }
 
 async fn answer(path: &str, scrape: Arc<Scrape>) -> Response<Full<Bytes>> {

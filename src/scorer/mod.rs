@@ -933,7 +933,7 @@ pub fn run(args: &ScorerArgs) -> anyhow::Result<()> {
         tracing::info!("gpumem scorer listening on {}", args.listen);
         // SIGTERM is how Kubernetes stops a pod; as PID 1 of its image the scorer gets no default handler.
         let mut terminate = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
-        server::serve(listener, scorer, async move {
+        server::serve(listener, scorer, crate::http::Limits::default(), async move {
             tokio::select! {
                 _ = tokio::signal::ctrl_c() => tracing::info!("interrupted: stopping"),
                 _ = terminate.recv() => tracing::info!("SIGTERM: stopping"),

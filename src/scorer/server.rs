@@ -1,70 +1,52 @@
-//! HTTP: one tower service per connection, served by hyper (HTTP/1.1, as kube-scheduler speaks it).
+//! HTTP: the extender's routes, served by [`crate::http`] (HTTP/1.1, as kube-scheduler speaks it).
 //!
 //! Routes by the last path segment, so any `urlPrefix` works: `POST .../filter`, `.../prioritize`,
 //! `.../bind`, `.../preempt`; `GET /healthz`, `GET /metrics`. Bodies over `maxBodyBytes` get 413,
-//! malformed JSON 400 with serde's message, as do requests past the extender's limits (more than
-//! `extender::MAX_NODES` nodes, say), refused while they are parsed; an error inside a verb is
-//! reported in the protocol's `Error` field. `filter`, `prioritize` and `preempt` decode and decide on
-//! tokio's blocking pool, so that a heavy request never holds up `/healthz` or `/metrics`.
+//! bodies slower than the server's body timeout 408, malformed JSON 400 with serde's message, as do
+//! requests past the extender's limits (more than `extender::MAX_NODES` nodes, say), refused while
+//! they are parsed; an error inside a verb is reported in the protocol's `Error` field. `filter`,
+//! `prioritize` and `preempt` decode and decide on tokio's blocking pool, so that a heavy request
+//! never holds up `/healthz` or `/metrics`.
 
-use std::convert::Infallible;
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
 use http_body_util::{BodyExt, Full, LengthLimitError, Limited};
-use hyper::body::{Bytes, Incoming};
+use hyper::body::Bytes;
 use hyper::header::{CONTENT_LENGTH, CONTENT_TYPE, HeaderValue};
 use hyper::{Method, Request, Response, StatusCode};
-use hyper_util::rt::TokioIo;
-use hyper_util::service::TowerToHyperService;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use tokio::net::TcpListener;
+use tower_http::timeout::TimeoutError;
 
 use super::{BadRequest, Scorer};
-
-type Reply = Response<Full<Bytes>>;
+use crate::http::{Body, Limits, Reply};
 
 /// Serves until `shutdown` completes (connections in progress finish on their own tasks).
-pub async fn serve(listener: TcpListener, scorer: Arc<Scorer>, shutdown: impl Future<Output = ()>) {
-    let mut shutdown = std::pin::pin!(shutdown);
-    loop {
-        let accepted = tokio::select! {
-            a = listener.accept() => a,
-            () = &mut shutdown => return,
-        };
-        let (stream, _) = match accepted {
-            Ok(a) => a,
-            Err(e) => {
-                tracing::warn!("accept: {e}");
-                continue;
-            }
-        };
-        let _ = stream.set_nodelay(true);
+pub async fn serve(
+    listener: TcpListener,
+    scorer: Arc<Scorer>,
+    limits: Limits,
+    shutdown: impl Future<Output = ()>,
+) {
+    let answer = move |req: Request<Body>| {
         let scorer = scorer.clone();
-        let service = tower::service_fn(move |req: Request<Incoming>| {
-            let scorer = scorer.clone();
-            async move { Ok::<_, Infallible>(handle(&scorer, req).await) }
-        });
-        tokio::spawn(async move {
-            let conn = hyper::server::conn::http1::Builder::new()
-                .serve_connection(TokioIo::new(stream), TowerToHyperService::new(service));
-            if let Err(e) = conn.await {
-                tracing::debug!("connection: {e}");
-            }
-        });
-    }
+        async move { handle(&scorer, req).await }
+    };
+    crate::http::serve(listener, limits, answer, shutdown).await;
 }
 
-/// Binds `addr` and serves in the background; returns the bound address (tests bind 127.0.0.1:0).
+/// Binds `addr` and serves in the background with the default limits; returns the bound address
+/// (tests bind 127.0.0.1:0).
 pub async fn spawn(
     scorer: Arc<Scorer>,
     addr: std::net::SocketAddr,
 ) -> std::io::Result<(std::net::SocketAddr, tokio::task::JoinHandle<()>)> {
     let listener = TcpListener::bind(addr).await?;
     let local = listener.local_addr()?;
-    let task = tokio::spawn(serve(listener, scorer, std::future::pending()));
+    let task = tokio::spawn(serve(listener, scorer, Limits::default(), std::future::pending()));
     Ok((local, task))
 }
 
@@ -90,8 +72,8 @@ fn json<T: Serialize>(value: &T) -> Reply {
     }
 }
 
-/// Reads a body within the size limit.
-async fn read_body(req: Request<Incoming>, limit: usize, what: &str) -> Result<Bytes, Reply> {
+/// Reads a body within the size limit and the server's body timeout.
+async fn read_body(req: Request<Body>, limit: usize, what: &str) -> Result<Bytes, Reply> {
     let too_large = || {
         text(
             StatusCode::PAYLOAD_TOO_LARGE,
@@ -109,6 +91,10 @@ async fn read_body(req: Request<Incoming>, limit: usize, what: &str) -> Result<B
     match Limited::new(req.into_body(), limit).collect().await {
         Ok(collected) => Ok(collected.to_bytes()),
         Err(e) if e.is::<LengthLimitError>() => Err(too_large()),
+        Err(e) if e.is::<TimeoutError>() => Err(text(
+            StatusCode::REQUEST_TIMEOUT,
+            format!("the {what} body did not arrive in time"),
+        )),
         Err(e) => Err(text(
             StatusCode::BAD_REQUEST,
             format!("reading the {what} body: {e}"),
@@ -143,7 +129,7 @@ async fn off_workers<T: Send + 'static>(
 /// workers ([`off_workers`]).
 async fn decide_off_workers<A: DeserializeOwned + 'static>(
     scorer: &Arc<Scorer>,
-    req: Request<Incoming>,
+    req: Request<Body>,
     verb: &'static str,
     decide: fn(&Scorer, A) -> Result<Vec<u8>, BadRequest>,
 ) -> Reply {
@@ -169,7 +155,7 @@ async fn decide_off_workers<A: DeserializeOwned + 'static>(
 /// recording it unschedulable on every node.
 const SYNC_WAIT: Duration = Duration::from_secs(3);
 
-async fn handle(scorer: &Arc<Scorer>, req: Request<Incoming>) -> Reply {
+async fn handle(scorer: &Arc<Scorer>, req: Request<Body>) -> Reply {
     let path = req.uri().path().trim_end_matches('/');
     let verb = path.rsplit('/').next().unwrap_or("").to_string();
     let limit = scorer.config.max_body_bytes;

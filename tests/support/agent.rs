@@ -24,6 +24,7 @@ impl Agent {
         inject: &Path,
         extra: &[&str],
         kubeconfig: Option<&Path>,
+        open_files: Option<u64>,
     ) -> Agent {
         let stderr = dir.join(format!("agent-{}.log", std::process::id()));
         let log = std::fs::File::options()
@@ -31,7 +32,7 @@ impl Agent {
             .append(true)
             .open(&stderr)
             .unwrap();
-        let child = Command::new(env!("CARGO_BIN_EXE_gpumem"))
+        let child = super::command(env!("CARGO_BIN_EXE_gpumem"), open_files)
             .arg("agent")
             .arg("--device-plugin-dir")
             .arg(dir.join("plugins"))
@@ -132,7 +133,19 @@ impl Node {
     }
 
     pub fn agent(&self, profile: &str, extra: &[&str]) -> Agent {
-        Agent::start(self.dir.path(), profile, self.inject.path(), extra, None)
+        Agent::start(self.dir.path(), profile, self.inject.path(), extra, None, None)
+    }
+
+    /// An agent that may hold at most `open_files` descriptors (`RLIMIT_NOFILE`).
+    pub fn agent_with_open_files(&self, profile: &str, extra: &[&str], open_files: u64) -> Agent {
+        Agent::start(
+            self.dir.path(),
+            profile,
+            self.inject.path(),
+            extra,
+            None,
+            Some(open_files),
+        )
     }
 
     /// An agent for Node `node-a` that talks to `api`.
@@ -145,6 +158,7 @@ impl Node {
             self.inject.path(),
             &args,
             Some(api.kubeconfig()),
+            None,
         )
     }
 }

@@ -10,6 +10,7 @@
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
+use std::process::Command;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard, OnceLock, PoisonError};
 
@@ -168,6 +169,25 @@ impl InjectFile {
             .unwrap_or_else(|e| panic!("cannot rename {} to {}: {e}", temp.display(), self.path.display()));
     }
 }
+/// `program` as a command; with `open_files`, started through `sh` under that `RLIMIT_NOFILE`
+/// (`ulimit -n`, then `exec`: the child's pid is the program's).
+#[allow(dead_code)]
+pub fn command(program: &str, open_files: Option<u64>) -> Command {
+    match open_files {
+        None => Command::new(program),
+        Some(limit) => {
+            let mut sh = Command::new("sh");
+            sh.args([
+                "-c",
+                r#"ulimit -n "$0" && exec "$@""#,
+                &limit.to_string(),
+                program,
+            ]);
+            sh
+        }
+    }
+}
+
 pub mod agent;
 pub mod apiserver;
 mod cdylib;

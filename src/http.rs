@@ -1,0 +1,340 @@
+//! The HTTP/1.1 server of the scorer and of the agent's metrics: hyper, with [`Limits`] that keep a
+//! slow or hostile client from holding connections, descriptors or CPU.
+//!
+//! What hyper (1.12, `proto/h1/conn.rs`) bounds, and what is added here:
+//! - `header_read_timeout` starts when hyper begins waiting for a request head: at accept, and, since
+//!   hyper 1.6, again each time a kept-alive connection goes idle. It stops once the head is parsed.
+//!   So it is one bound on idle time and head time together: at 10 s it would close kube-scheduler's
+//!   idle connections, at 2 minutes a slowloris client would hold each connection that long. hyper's
+//!   timer is given the idle limit, and [`TimedStream`] adds the head limit, counted from accept or
+//!   from the first byte of the next request.
+//! - Nothing in hyper bounds a body: the handler gets it as tower-http's `DeadlineBody`, which fails
+//!   once the whole-body deadline has passed, however steadily a client trickles bytes.
+//! - Nor a response that the client does not read (pipelined requests, answers never read): hyper
+//!   waits on the write for ever. [`TimedStream`] fails a write pending for the idle limit.
+//! - What remains is the handler's own time (the scorer's `bind` waits on the API server, under
+//!   the kube client's timeouts).
+//! - Connections are capped by a semaphore taken before `accept`: beyond the cap, clients wait in
+//!   the listen backlog (no descriptor of ours) and are served as slots free, which the timeouts
+//!   guarantee. Closing them at once instead would refuse kube-scheduler too during a flood, and
+//!   still cost an accept and a descriptor per attempt.
+//! - Accept errors other than a peer's reset (EMFILE when descriptors run out: the pending
+//!   connection stays queued, so the next accept fails at once) pause the loop, 10 ms doubling to
+//!   1 s, and are logged at most once a second with the count of those not logged.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::io;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::task::{Context, Poll, ready};
+use std::time::Duration;
+
+use http_body_util::Full;
+use hyper::body::{Bytes, Incoming};
+use hyper::server::conn::http1;
+use hyper::{Request, Response};
+use hyper_util::rt::{TokioIo, TokioTimer};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::time::{Instant, Sleep};
+use tower_http::timeout::DeadlineBody;
+
+/// A request body as handlers get it: reading it fails with tower-http's `TimeoutError` once
+/// [`Limits::body_timeout`] has passed since the request's head.
+pub type Body = DeadlineBody<Incoming>;
+
+pub type Reply = Response<Full<Bytes>>;
+
+/// From accept, or from the first byte of a request on a kept-alive connection, to its last header.
+pub const HEADER_TIMEOUT: Duration = Duration::from_secs(10);
+/// Longer than the 90 s after which kube-scheduler's client (Go's `http.Transport` defaults, through
+/// apimachinery's `SetTransportDefaults`) drops an idle connection: the client closes first, so it
+/// never sends a request, which it would not retry, on a connection the server is closing.
+pub const IDLE_TIMEOUT: Duration = Duration::from_secs(120);
+/// From a request's head to the end of its body: above kube-scheduler's `httpTimeout` (5 s shipped,
+/// 30 s at most in practice), and counted from the head, so it also covers the scorer's wait for
+/// its caches before it reads the body.
+pub const BODY_TIMEOUT: Duration = Duration::from_secs(30);
+/// Connections served at once; more wait in the listen backlog.
+pub const MAX_CONNECTIONS: usize = 1024;
+
+/// How long a client may take over each part of a connection, and how many connections are served.
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    pub header_timeout: Duration,
+    /// Between requests on a kept-alive connection (hyper's header timer: it also bounds a head),
+    /// and for a pending write, waiting for the client to read.
+    pub idle_timeout: Duration,
+    pub body_timeout: Duration,
+    /// 0 is taken as 1.
+    pub max_connections: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            header_timeout: HEADER_TIMEOUT,
+            idle_timeout: IDLE_TIMEOUT,
+            body_timeout: BODY_TIMEOUT,
+            max_connections: MAX_CONNECTIONS,
+        }
+    }
+}
+
+/// Serves `listener` with `handler` until `shutdown` completes (connections in progress finish on
+/// their own tasks).
+pub async fn serve<H, F>(
+    listener: TcpListener,
+    limits: Limits,
+    handler: H,
+    shutdown: impl Future<Output = ()>,
+) where
+    H: Fn(Request<Body>) -> F + Send + Sync + 'static,
+    F: Future<Output = Reply> + Send + 'static,
+{
+    let handler = Arc::new(handler);
+    let slots = Arc::new(Semaphore::new(limits.max_connections.max(1)));
+    let mut errors = AcceptErrors::default();
+    let mut shutdown = std::pin::pin!(shutdown);
+    loop {
+        let slot = tokio::select! {
+            slot = Arc::clone(&slots).acquire_owned() => slot,
+            () = &mut shutdown => return,
+        };
+        // The semaphore is never closed.
+        let Ok(slot) = slot else { return };
+        let stream = loop {
+            let accepted = tokio::select! {
+                accepted = listener.accept() => accepted,
+                () = &mut shutdown => return,
+            };
+            match accepted {
+                Ok((stream, _)) => {
+                    errors.succeeded();
+                    break stream;
+                }
+                Err(e) if is_peer_error(&e) => tracing::debug!("accept: {e}"),
+                Err(e) => {
+                    let pause = errors.failed(&e);
+                    tokio::select! {
+                        () = tokio::time::sleep(pause) => {}
+                        () = &mut shutdown => return,
+                    }
+                }
+            }
+        };
+        tokio::spawn(connection(stream, limits, Arc::clone(&handler), slot));
+    }
+}
+
+async fn connection<H, F>(stream: TcpStream, limits: Limits, handler: Arc<H>, _slot: OwnedSemaphorePermit)
+where
+    H: Fn(Request<Body>) -> F + Send + Sync + 'static,
+    F: Future<Output = Reply> + Send + 'static,
+{
+    let _ = stream.set_nodelay(true);
+    let phase = Arc::new(Phase::default());
+    let io = TimedStream::new(stream, Arc::clone(&phase), limits);
+    let service = hyper::service::service_fn(move |req: Request<Incoming>| {
+        phase.set(BUSY);
+        let reply = handler(req.map(|body| DeadlineBody::new(limits.body_timeout, body)));
+        let phase = Arc::clone(&phase);
+        async move {
+            let reply = reply.await;
+            phase.set(IDLE);
+            Ok::<_, Infallible>(reply)
+        }
+    });
+    let served = http1::Builder::new()
+        .timer(TokioTimer::new())
+        .header_read_timeout(limits.idle_timeout)
+        .serve_connection(TokioIo::new(io), service)
+        .await;
+    if let Err(e) = served {
+        // Timeouts and resets are the client's doing: not worth a line each at the default level.
+        tracing::debug!("connection: {e}");
+    }
+}
+
+/// Errors that concern one connection, which the peer reset before it was accepted.
+fn is_peer_error(e: &io::Error) -> bool {
+    matches!(
+        e.kind(),
+        io::ErrorKind::ConnectionAborted | io::ErrorKind::ConnectionReset | io::ErrorKind::ConnectionRefused
+    )
+}
+
+const FIRST_PAUSE: Duration = Duration::from_millis(10);
+const LONGEST_PAUSE: Duration = Duration::from_secs(1);
+const LOG_EVERY: Duration = Duration::from_secs(1);
+
+/// The accept loop's pause after errors, and how often they are logged.
+struct AcceptErrors {
+    pause: Duration,
+    logged: Option<Instant>,
+    unlogged: u64,
+}
+
+impl Default for AcceptErrors {
+    fn default() -> Self {
+        Self {
+            pause: FIRST_PAUSE,
+            logged: None,
+            unlogged: 0,
+        }
+    }
+}
+
+impl AcceptErrors {
+    /// How long to pause before the next accept.
+    fn failed(&mut self, error: &io::Error) -> Duration {
+        let pause = self.pause;
+        self.pause = (pause * 2).min(LONGEST_PAUSE);
+        if self.logged.is_none_or(|at| at.elapsed() >= LOG_EVERY) {
+            tracing::warn!(
+                %error,
+                not_logged = self.unlogged,
+                pause_ms = pause.as_millis(),
+                "cannot accept connections; pausing"
+            );
+            self.logged = Some(Instant::now());
+            self.unlogged = 0;
+        } else {
+            self.unlogged += 1;
+        }
+        pause
+    }
+
+    fn succeeded(&mut self) {
+        self.pause = FIRST_PAUSE;
+    }
+}
+
+/// Waiting for a request head, which [`TimedStream`] times; set at accept and on a request's first
+/// byte.
+const HEAD: u8 = 0;
+/// Inside a request, from its parsed head to its answer: the body has its own deadline.
+const BUSY: u8 = 1;
+/// Between requests: hyper's timer bounds the wait.
+const IDLE: u8 = 2;
+
+/// Where a connection is: the service marks a request's start and end, the reader its first byte.
+#[derive(Default)]
+struct Phase(AtomicU8);
+
+impl Phase {
+    fn set(&self, phase: u8) {
+        self.0.store(phase, Ordering::Release);
+    }
+
+    fn is_head(&self) -> bool {
+        self.0.load(Ordering::Acquire) == HEAD
+    }
+
+    /// Idle to head: true if this byte starts a request.
+    fn start_head(&self) -> bool {
+        self.0
+            .compare_exchange(IDLE, HEAD, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+    }
+}
+
+/// The connection's stream, failing once a request head has taken longer than its limit, or once a
+/// write has waited longer than the idle limit for the client to read. hyper polls reads whenever it
+/// waits for a head, and polls a pending write again when woken, so each timer wakes it up to fail.
+struct TimedStream {
+    stream: TcpStream,
+    phase: Arc<Phase>,
+    limits: Limits,
+    head: Pin<Box<Sleep>>,
+    /// Runs while a write is pending.
+    stall: Pin<Box<Sleep>>,
+    stalled: bool,
+}
+
+impl TimedStream {
+    fn new(stream: TcpStream, phase: Arc<Phase>, limits: Limits) -> Self {
+        Self {
+            stream,
+            phase,
+            limits,
+            head: Box::pin(tokio::time::sleep(limits.header_timeout)),
+            stall: Box::pin(tokio::time::sleep(limits.idle_timeout)),
+            stalled: false,
+        }
+    }
+
+    /// A write's outcome, or an error once writes have been pending for the idle limit.
+    fn written<T>(&mut self, cx: &mut Context<'_>, outcome: Poll<io::Result<T>>) -> Poll<io::Result<T>> {
+        if outcome.is_ready() {
+            self.stalled = false;
+            return outcome;
+        }
+        if !self.stalled {
+            self.stalled = true;
+            let deadline = Instant::now() + self.limits.idle_timeout;
+            self.stall.as_mut().reset(deadline);
+        }
+        if self.stall.as_mut().poll(cx).is_ready() {
+            return Poll::Ready(Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!("the client read nothing for {:?}", self.limits.idle_timeout),
+            )));
+        }
+        Poll::Pending
+    }
+}
+
+impl AsyncRead for TimedStream {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let this = &mut *self;
+        if this.phase.is_head() && this.head.as_mut().poll(cx).is_ready() {
+            return Poll::Ready(Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!("no complete request head within {:?}", this.limits.header_timeout),
+            )));
+        }
+        let before = buf.filled().len();
+        ready!(Pin::new(&mut this.stream).poll_read(cx, buf))?;
+        if buf.filled().len() > before && this.phase.start_head() {
+            let deadline = Instant::now() + this.limits.header_timeout;
+            this.head.as_mut().reset(deadline);
+        }
+        Poll::Ready(Ok(()))
+    }
+}
+
+impl AsyncWrite for TimedStream {
+    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+        let outcome = Pin::new(&mut self.stream).poll_write(cx, buf);
+        self.written(cx, outcome)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let outcome = Pin::new(&mut self.stream).poll_write_vectored(cx, bufs);
+        self.written(cx, outcome)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.stream.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.stream).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.stream).poll_shutdown(cx)
+    }
+}
