@@ -845,8 +845,14 @@ async fn a_hostile_accounting_file_neither_crashes_nor_blocks_the_metrics() {
             );
         }
     }
-    assert!(agent.child.try_wait().ok().flatten().is_none(), "the agent is still running");
-    eprintln!("{i} scrapes answered in {:?} while the file was truncated in a loop", started.elapsed());
+    assert!(
+        agent.child.try_wait().ok().flatten().is_none(),
+        "the agent is still running"
+    );
+    eprintln!(
+        "{i} scrapes answered in {:?} while the file was truncated in a loop",
+        started.elapsed()
+    );
     stop.store(true, Ordering::Relaxed);
     writer.join().unwrap();
     std::fs::write(&file, &content).unwrap();

@@ -579,16 +579,28 @@ fn only_the_scheduler_and_prometheus_reach_the_scorer() {
     let docs = objects(&json!({}));
     let policy = find(&docs, "NetworkPolicy", "gpumem-scorer").unwrap();
     let spec = &policy["spec"];
-    assert!(selects(&spec["podSelector"], &deployment_pod_labels(&docs, "gpumem-scorer")));
-    assert!(!selects(&spec["podSelector"], &deployment_pod_labels(&docs, "gpumem-scheduler")));
+    assert!(selects(
+        &spec["podSelector"],
+        &deployment_pod_labels(&docs, "gpumem-scorer")
+    ));
+    assert!(!selects(
+        &spec["podSelector"],
+        &deployment_pod_labels(&docs, "gpumem-scheduler")
+    ));
     assert_eq!(spec["policyTypes"], json!(["Ingress"]));
     let rules = spec["ingress"].as_array().unwrap();
     assert_eq!(rules.len(), 1);
     assert_eq!(rules[0]["ports"], json!([{"port": "http", "protocol": "TCP"}]));
     let from = rules[0]["from"].as_array().unwrap();
     assert_eq!(from.len(), 2, "{from:?}");
-    assert!(selects(&from[0]["podSelector"], &deployment_pod_labels(&docs, "gpumem-scheduler")));
-    assert!(from[0].get("namespaceSelector").is_none(), "the scheduler's own namespace only");
+    assert!(selects(
+        &from[0]["podSelector"],
+        &deployment_pod_labels(&docs, "gpumem-scheduler")
+    ));
+    assert!(
+        from[0].get("namespaceSelector").is_none(),
+        "the scheduler's own namespace only"
+    );
     assert_eq!(
         from[1],
         json!({"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}})
