@@ -18,6 +18,8 @@
 //!   the listen backlog (no descriptor of ours) and are served as slots free, which the timeouts
 //!   guarantee. Closing them at once instead would refuse kube-scheduler too during a flood, and
 //!   still cost an accept and a descriptor per attempt.
+//! - With TLS ([`crate::tls`]), the handshake runs over [`TimedStream`] too: the head limit bounds
+//!   it, counted from accept.
 //! - Accept errors other than a peer's reset (EMFILE when descriptors run out: the pending
 //!   connection stays queued, so the next accept fails at once) pause the loop, 10 ms doubling to
 //!   1 s, and are logged at most once a second with the count of those not logged.
@@ -41,6 +43,8 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::{Instant, Sleep};
 use tower_http::timeout::DeadlineBody;
+
+use crate::tls::TlsServer;
 
 /// A request body as handlers get it: reading it fails with tower-http's `TimeoutError` once
 /// [`Limits::body_timeout`] has passed since the request's head.
@@ -85,10 +89,11 @@ impl Default for Limits {
 }
 
 /// Serves `listener` with `handler` until `shutdown` completes (connections in progress finish on
-/// their own tasks).
+/// their own tasks); over TLS if `tls` is given.
 pub async fn serve<H, F>(
     listener: TcpListener,
     limits: Limits,
+    tls: Option<Arc<TlsServer>>,
     handler: H,
     shutdown: impl Future<Output = ()>,
 ) where
@@ -126,18 +131,46 @@ pub async fn serve<H, F>(
                 }
             }
         };
-        tokio::spawn(connection(stream, limits, Arc::clone(&handler), slot));
+        tokio::spawn(connection(
+            stream,
+            limits,
+            tls.clone(),
+            Arc::clone(&handler),
+            slot,
+        ));
     }
 }
 
-async fn connection<H, F>(stream: TcpStream, limits: Limits, handler: Arc<H>, _slot: OwnedSemaphorePermit)
-where
+/// What hyper reads and writes: a [`TimedStream`], under TLS or not.
+trait Io: AsyncRead + AsyncWrite + Unpin + Send {}
+impl<T: AsyncRead + AsyncWrite + Unpin + Send> Io for T {}
+
+async fn connection<H, F>(
+    stream: TcpStream,
+    limits: Limits,
+    tls: Option<Arc<TlsServer>>,
+    handler: Arc<H>,
+    _slot: OwnedSemaphorePermit,
+) where
     H: Fn(Request<Body>) -> F + Send + Sync + 'static,
     F: Future<Output = Reply> + Send + 'static,
 {
     let _ = stream.set_nodelay(true);
     let phase = Arc::new(Phase::default());
-    let io = TimedStream::new(stream, Arc::clone(&phase), limits);
+    let timed = TimedStream::new(stream, Arc::clone(&phase), limits);
+    let io: Box<dyn Io> = match tls {
+        None => Box::new(timed),
+        Some(tls) => match tls.acceptor().accept(timed).await {
+            Ok(stream) => Box::new(stream),
+            Err(e) => {
+                // A client without a valid certificate, or a stray one: refused before any request.
+                // Worth seeing (a scheduler with the wrong certificate leaves GPU pods pending), at
+                // a bounded rate (a scanner must not flood the log).
+                refused_handshake(&e);
+                return;
+            }
+        },
+    };
     let service = hyper::service::service_fn(move |req: Request<Incoming>| {
         phase.set(BUSY);
         let reply = handler(req.map(|body| DeadlineBody::new(limits.body_timeout, body)));
@@ -156,6 +189,20 @@ where
     if let Err(e) = served {
         // Timeouts and resets are the client's doing: not worth a line each at the default level.
         tracing::debug!("connection: {e}");
+    }
+}
+
+/// Logs a refused TLS handshake: the first, then at most one a second with the count not logged.
+fn refused_handshake(error: &io::Error) {
+    static LOGGED: std::sync::Mutex<(Option<Instant>, u64)> = std::sync::Mutex::new((None, 0));
+    let mut logged = LOGGED.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    let (at, unlogged) = &mut *logged;
+    if at.is_none_or(|at| at.elapsed() >= LOG_EVERY) {
+        tracing::warn!(%error, not_logged = *unlogged, "TLS handshake refused");
+        *at = Some(Instant::now());
+        *unlogged = 0;
+    } else {
+        *unlogged += 1;
     }
 }
 

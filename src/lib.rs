@@ -10,7 +10,8 @@
 //! - [`http`]: the HTTP/1.1 server of the scorer and of the agent's metrics, with its limits;
 //! - [`quantity`]: Kubernetes resource quantities (`5k`, `1.5Gi`, `500m`), read exactly as the API
 //!   server reads them, for the agent and the scorer;
-//! - [`names`]: Kubernetes object names, checked as the API server checks them.
+//! - [`names`]: Kubernetes object names, checked as the API server checks them;
+//! - [`tls`]: the extender's TLS (client certificates kube-scheduler presents) and `gpumem certs`.
 
 pub mod agent;
 pub mod alloc;
@@ -23,3 +24,4 @@ pub mod plugin;
 pub mod quantity;
 pub mod scorer;
 pub mod sim;
+pub mod tls;

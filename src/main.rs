@@ -22,6 +22,8 @@ enum Command {
     Simulate(gpumem::sim::SimulateArgs),
     /// Run the kube-scheduler extender (Deployment): filter, prioritize, bind and preempt for GPU pods.
     Scorer(gpumem::scorer::ScorerArgs),
+    /// Make the certificates that authenticate kube-scheduler and the scorer to each other.
+    Certs(gpumem::tls::certs::CertsArgs),
 }
 
 fn main() -> ExitCode {
@@ -37,6 +39,7 @@ fn main() -> ExitCode {
         Command::Inspect(args) => gpumem::inspect::run(&args),
         Command::Simulate(args) => gpumem::sim::run(&args),
         Command::Scorer(args) => gpumem::scorer::run(&args),
+        Command::Certs(args) => gpumem::tls::certs::run(&args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

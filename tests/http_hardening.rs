@@ -28,7 +28,13 @@ async fn scorer(limits: Limits) -> SocketAddr {
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind loopback");
     let addr = listener.local_addr().expect("bound address");
     let scorer = Arc::new(Scorer::new(Config::default(), None, None, None));
-    tokio::spawn(server::serve(listener, scorer, limits, std::future::pending()));
+    tokio::spawn(server::serve(
+        listener,
+        scorer,
+        limits,
+        server::Port::Open,
+        std::future::pending(),
+    ));
     addr
 }
 

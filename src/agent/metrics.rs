@@ -347,7 +347,7 @@ pub async fn serve(addr: SocketAddr, scrape: Arc<Scrape>) -> anyhow::Result<()> 
         let scrape = Arc::clone(&scrape);
         async move { answer(req.uri().path(), scrape).await }
     };
-    crate::http::serve(listener, Limits::default(), handler, std::future::pending()).await;
+    crate::http::serve(listener, Limits::default(), None, handler, std::future::pending()).await;
     Ok(())
 }
 

@@ -21,6 +21,7 @@ pub mod server;
 pub mod state;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
+use std::future::pending;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
@@ -46,13 +47,18 @@ use self::metrics::{Metrics, ReasonLabel, VerbLabel};
 use self::preempt::VictimInfo;
 use self::state::{ClassRules, NodeState, PodDemand};
 use crate::node::{ASSIGNED_AT_ANNOTATION, ASSIGNED_GPUS_ANNOTATION};
+use crate::tls::TlsFiles;
 
 /// `gpumem scorer` command line.
 #[derive(Debug, clap::Args)]
 pub struct ScorerArgs {
-    /// Address to serve the extender on.
+    /// Address to serve on: the extender's verbs, `/healthz`, `/readyz` and `/metrics`; with `tls` in
+    /// the configuration, all but the verbs.
     #[arg(long, default_value = "0.0.0.0:8888")]
     pub listen: SocketAddr,
+    /// Address to serve the extender's verbs on over TLS, when the configuration has `tls`.
+    #[arg(long, default_value = "0.0.0.0:8443")]
+    pub tls_listen: SocketAddr,
     /// YAML configuration file (weights, policy, limits); see [`Config`].
     #[arg(long)]
     pub config: Option<PathBuf>,
@@ -110,6 +116,8 @@ pub struct Config {
     pub scheduler_names: Vec<String>,
     /// The request mix the fragmentation measure protects.
     pub typical_mix: Vec<TypicalEntry>,
+    /// Serve the verbs over TLS to clients with a certificate (`--tls-listen`); see [`TlsFiles`].
+    pub tls: Option<TlsFiles>,
 }
 
 impl Default for Config {
@@ -145,6 +153,7 @@ impl Default for Config {
                 whole(4, 0.03),
                 whole(8, 0.02),
             ],
+            tls: None,
         }
     }
 }
@@ -910,6 +919,13 @@ pub fn run(args: &ScorerArgs) -> anyhow::Result<()> {
         Some(path) => Config::load(path)?,
         None => Config::default(),
     };
+    // Before anything starts: a scorer that cannot authenticate its clients must not serve.
+    let tls = match &config.tls {
+        Some(files) => Some(Arc::new(
+            crate::tls::TlsServer::new(files.clone()).context("tls")?,
+        )),
+        None => None,
+    };
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -927,19 +943,49 @@ pub fn run(args: &ScorerArgs) -> anyhow::Result<()> {
         };
         let scorer = Arc::new(Scorer::new(config, client, nodes, pods));
         scorer.follow_caches();
-        let listener = tokio::net::TcpListener::bind(args.listen)
-            .await
-            .with_context(|| format!("listening on {}", args.listen))?;
-        tracing::info!("gpumem scorer listening on {}", args.listen);
+        let limits = crate::http::Limits::default();
+        let bind = |addr: SocketAddr| async move {
+            tokio::net::TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("listening on {addr}"))
+        };
+        let plain = bind(args.listen).await?;
+        let (plain_port, verbs) = match tls {
+            Some(tls) => {
+                let listener = bind(args.tls_listen).await?;
+                tracing::info!(
+                    "gpumem scorer: extender verbs over TLS on {} (client certificates from {}), probes and metrics on {}",
+                    args.tls_listen,
+                    tls.client_ca_file().display(),
+                    args.listen
+                );
+                let serving = server::serve(listener, scorer.clone(), limits, server::Port::Tls(tls), pending());
+                (server::Port::Probes, Some(serving))
+            }
+            None => {
+                tracing::warn!(
+                    "gpumem scorer listening on {} in plain HTTP: anyone who reaches it can make the scorer bind \
+                     pods; configure `tls` (docs/operate.md, \"Security\")",
+                    args.listen
+                );
+                (server::Port::Open, None)
+            }
+        };
+        let verbs = async move {
+            match verbs {
+                Some(serving) => serving.await,
+                None => pending().await,
+            }
+        };
         // SIGTERM is how Kubernetes stops a pod; as PID 1 of its image the scorer gets no default handler.
         let mut terminate = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
-        server::serve(listener, scorer, crate::http::Limits::default(), async move {
-            tokio::select! {
-                _ = tokio::signal::ctrl_c() => tracing::info!("interrupted: stopping"),
-                _ = terminate.recv() => tracing::info!("SIGTERM: stopping"),
-            }
-        })
-        .await;
+        // Dropping the servers stops the accepting; connections in progress finish on their own tasks.
+        tokio::select! {
+            () = server::serve(plain, scorer, limits, plain_port, pending()) => {}
+            () = verbs => {}
+            _ = tokio::signal::ctrl_c() => tracing::info!("interrupted: stopping"),
+            _ = terminate.recv() => tracing::info!("SIGTERM: stopping"),
+        }
         Ok(())
     })
 }

@@ -7,6 +7,10 @@
 //! they are parsed; an error inside a verb is reported in the protocol's `Error` field. `filter`,
 //! `prioritize` and `preempt` decode and decide on tokio's blocking pool, so that a heavy request
 //! never holds up `/healthz` or `/metrics`.
+//!
+//! With `tls` in the configuration the scorer has two ports: the verbs on the TLS one, for clients
+//! with a certificate from `clientCAFile` (kube-scheduler); `/healthz`, `/readyz` and `/metrics` on
+//! the plain one (kubelet probes, Prometheus), which answers the verbs 403.
 
 use std::future::Future;
 use std::sync::Arc;
@@ -23,31 +27,55 @@ use tower_http::timeout::TimeoutError;
 
 use super::{BadRequest, Scorer};
 use crate::http::{Body, Limits, Reply};
+use crate::tls::TlsServer;
+
+/// What a port of the scorer serves.
+#[derive(Clone)]
+pub enum Port {
+    /// Everything, in plain HTTP: the extender without authentication (no `tls` configured).
+    Open,
+    /// `/healthz`, `/readyz` and `/metrics` in plain HTTP; the verbs are on the TLS port.
+    Probes,
+    /// Everything, over TLS, to clients with a verified certificate.
+    Tls(Arc<TlsServer>),
+}
 
 /// Serves until `shutdown` completes (connections in progress finish on their own tasks).
 pub async fn serve(
     listener: TcpListener,
     scorer: Arc<Scorer>,
     limits: Limits,
+    port: Port,
     shutdown: impl Future<Output = ()>,
 ) {
+    let verbs = !matches!(port, Port::Probes);
+    let tls = match port {
+        Port::Tls(tls) => Some(tls),
+        Port::Open | Port::Probes => None,
+    };
     let answer = move |req: Request<Body>| {
         let scorer = scorer.clone();
-        async move { handle(&scorer, req).await }
+        async move { handle(&scorer, req, verbs).await }
     };
-    crate::http::serve(listener, limits, answer, shutdown).await;
+    crate::http::serve(listener, limits, tls, answer, shutdown).await;
 }
 
-/// Binds `addr` and serves in the background with the default limits; returns the bound address
-/// (tests bind 127.0.0.1:0).
+/// Binds `addr` and serves `port` in the background with the default limits; returns the bound
+/// address (tests bind 127.0.0.1:0).
 pub async fn spawn(
     scorer: Arc<Scorer>,
     addr: std::net::SocketAddr,
 ) -> std::io::Result<(std::net::SocketAddr, tokio::task::JoinHandle<()>)> {
     let listener = TcpListener::bind(addr).await?;
     let local = listener.local_addr()?;
-    let task = tokio::spawn(serve(listener, scorer, Limits::default(), std::future::pending()));
-    Ok((local, task))
+    let serving = serve(
+        listener,
+        scorer,
+        Limits::default(),
+        Port::Open,
+        std::future::pending(),
+    );
+    Ok((local, tokio::spawn(serving)))
 }
 
 fn reply(status: StatusCode, content_type: &'static str, body: impl Into<Bytes>) -> Reply {
@@ -155,7 +183,7 @@ async fn decide_off_workers<A: DeserializeOwned + 'static>(
 /// recording it unschedulable on every node.
 const SYNC_WAIT: Duration = Duration::from_secs(3);
 
-async fn handle(scorer: &Arc<Scorer>, req: Request<Body>) -> Reply {
+async fn handle(scorer: &Arc<Scorer>, req: Request<Body>, verbs: bool) -> Reply {
     let path = req.uri().path().trim_end_matches('/');
     let verb = path.rsplit('/').next().unwrap_or("").to_string();
     let limit = scorer.config.max_body_bytes;
@@ -166,6 +194,16 @@ async fn handle(scorer: &Arc<Scorer>, req: Request<Body>) -> Reply {
         "preempt" => Some("preempt"),
         _ => None,
     };
+    if let (false, Some(decision)) = (verbs, decision) {
+        // Not counted as the verb's error: no scheduler sends it here once configured for TLS.
+        tracing::debug!(verb = decision, "refused on the plain port");
+        return text(
+            StatusCode::FORBIDDEN,
+            format!(
+                "{decision} is served over TLS only, to clients with a certificate the scorer trusts (tls.clientCAFile)"
+            ),
+        );
+    }
     if let (&Method::POST, Some(decision)) = (req.method(), decision)
         && let Err(missing) = scorer.wait_synced(SYNC_WAIT).await
     {
