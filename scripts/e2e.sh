@@ -7,8 +7,8 @@
 # For each kubelet of the kit (the stock 1.24 one, which sends the socket path as HTTP/2 :authority,
 # and the one with the 1.26 `localhost` change) it starts a fresh cluster and sets it up as a user
 # would: the project's RBAC from deploy/manifests/base, the agent and the scorer as their service
-# accounts (tokens from `kubectl create token`), the project's scheduler configuration pointed at the
-# scorer, the shim where the DaemonSet's init container puts it, the agent on a simulated node through
+# accounts (tokens from `kubectl create token`), certificates from `gpumem certs`, the project's
+# scheduler configuration pointed at the scorer's TLS port with the scheduler's client certificate, the shim where the DaemonSet's init container puts it, the agent on a simulated node through
 # the fake NVML, two API-only nodes carrying what an agent publishes. Then it runs the scenarios of
 # tests/e2e/scenarios.sh and prints `N passed, N failed`.
 #
@@ -37,7 +37,8 @@ source "$ROOT/tests/e2e/scenarios.sh"
 NS=e2e
 REAL_NODE=gpu-node-1
 PROFILE=mixed # 2 x V100-SXM2-32GB joined by NVLink + 2 x T4, two NUMA nodes
-SCORER_ADDR=127.0.0.1:18888
+SCORER_ADDR=127.0.0.1:18888     # probes and metrics
+SCORER_TLS_ADDR=127.0.0.1:18443 # the extender's verbs, for kube-scheduler's client certificate
 AGENT_METRICS=127.0.0.1:19400
 PLUGIN_DIR=/var/lib/kubelet/device-plugins
 STATE_DIR=/var/lib/gpumem
@@ -84,9 +85,14 @@ stop_agent() {
   AGENT_PID=""
 }
 
+# start_scorer: as the chart runs it, its TLS files from `gpumem certs` as the Secret holds them.
 start_scorer() {
+  cat > "$RUN_OUT/scorer.yaml" <<EOF
+tls: {certFile: $CERTS/scorer.crt, keyFile: $CERTS/scorer.key, clientCAFile: $CERTS/ca.crt}
+EOF
   KUBECONFIG=$RUN_OUT/scorer.kubeconfig RUST_LOG=info,gpumem=debug \
-    "$BIN/gpumem" scorer --listen "$SCORER_ADDR" >> "$RUN_OUT/scorer.log" 2>&1 &
+    "$BIN/gpumem" scorer --listen "$SCORER_ADDR" --tls-listen "$SCORER_TLS_ADDR" \
+    --config "$RUN_OUT/scorer.yaml" >> "$RUN_OUT/scorer.log" 2>&1 &
   SCORER_PID=$!
 }
 
@@ -121,13 +127,16 @@ EOF
 }
 
 # scheduler_config: the project's configuration for the default scheduler (v1beta3: the kit is 1.24),
-# with what differs on this machine: the kubeconfig, no leader election, the scorer's local address.
+# with what differs on this machine: the kubeconfig, no leader election, the scorer's local address,
+# the directory of the certificates (its tlsConfig, serverName included, is the shipped one).
 scheduler_config() {
   sed -e 's|^  kubeconfig: .*|  kubeconfig: ${K8S_STATE}/admin.kubeconfig|' \
     -e 's|^  leaderElect: true|  leaderElect: false|' \
-    -e "s|^  - urlPrefix: .*|  - urlPrefix: http://$SCORER_ADDR|" \
+    -e "s|^  - urlPrefix: https://.*|  - urlPrefix: https://$SCORER_TLS_ADDR|" \
+    -e "s|: /etc/kubernetes/gpumem/|: $CERTS/|" \
     "$ROOT/deploy/manifests/default-scheduler/kube-scheduler-config.v1beta3.yaml" > "$RUN_OUT/scheduler.yaml"
-  grep -q "urlPrefix: http://$SCORER_ADDR" "$RUN_OUT/scheduler.yaml" &&
+  grep -q "urlPrefix: https://$SCORER_TLS_ADDR" "$RUN_OUT/scheduler.yaml" &&
+    [ "$(grep -c ": $CERTS/" "$RUN_OUT/scheduler.yaml")" == 3 ] &&
     grep -q 'leaderElect: false' "$RUN_OUT/scheduler.yaml"
 }
 
@@ -162,6 +171,9 @@ run_cluster() {
   # A cluster left by an interrupted run would make up.sh refuse to start.
   pkill -f "$BIN/gpumem (agent|scorer)" # left by a run with GPUMEM_E2E_KEEP=1
   "$KIT/down.sh" > /dev/null 2>&1
+  CERTS=$RUN_OUT/certs
+  "$BIN/gpumem" certs --out "$CERTS" > "$RUN_OUT/certs.log" 2>&1 ||
+    { bad "gpumem certs" "$(cat "$RUN_OUT/certs.log")"; return; }
   scheduler_config || { bad "scheduler configuration rendered" "see $RUN_OUT/scheduler.yaml"; return; }
   if ! KUBELET=$KUBELET_KIND SCHEDULER_CONFIG=$RUN_OUT/scheduler.yaml EXTRA_NODES=2 \
     EXTRA_NODE_TAINT=harness.local/fake-node=true:NoSchedule \

@@ -223,7 +223,8 @@ fn non_default_values_render_typed_objects_that_follow_them() {
     assert_eq!(scorer.spec.as_ref().unwrap().replicas, Some(3));
     let scorer_cm: ConfigMap = get(&docs, "ConfigMap", "gpumem-scorer");
     let scorer_config = &yaml_docs(&scorer_cm.data.unwrap()["scorer.yaml"], "scorer.yaml")[0];
-    assert_eq!(scorer_config, &json!({"weights": {"online": 0.8}}));
+    assert_eq!(scorer_config["weights"], json!({"online": 0.8}));
+    assert_eq!(scorer_config["tls"]["certFile"], "/etc/gpumem-tls/tls.crt");
     let service = find(&docs, "Service", "gpumem-scorer").unwrap();
     assert_eq!(service["spec"]["clusterIP"], "10.96.100.80");
 
@@ -588,11 +589,12 @@ fn only_the_scheduler_and_prometheus_reach_the_scorer() {
         &deployment_pod_labels(&docs, "gpumem-scheduler")
     ));
     assert_eq!(spec["policyTypes"], json!(["Ingress"]));
+    // With TLS (the default): the scheduler reaches the verbs' port, Prometheus the plain one.
     let rules = spec["ingress"].as_array().unwrap();
-    assert_eq!(rules.len(), 1);
-    assert_eq!(rules[0]["ports"], json!([{"port": "http", "protocol": "TCP"}]));
+    assert_eq!(rules.len(), 2, "{rules:?}");
+    assert_eq!(rules[0]["ports"], json!([{"port": "https", "protocol": "TCP"}]));
     let from = rules[0]["from"].as_array().unwrap();
-    assert_eq!(from.len(), 2, "{from:?}");
+    assert_eq!(from.len(), 1, "{from:?}");
     assert!(selects(
         &from[0]["podSelector"],
         &deployment_pod_labels(&docs, "gpumem-scheduler")
@@ -601,10 +603,18 @@ fn only_the_scheduler_and_prometheus_reach_the_scorer() {
         from[0].get("namespaceSelector").is_none(),
         "the scheduler's own namespace only"
     );
-    assert_eq!(
-        from[1],
-        json!({"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}})
-    );
+    let monitoring =
+        json!({"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}});
+    assert_eq!(rules[1]["ports"], json!([{"port": "http", "protocol": "TCP"}]));
+    assert_eq!(rules[1]["from"], json!([monitoring]));
+
+    // Without TLS the verbs share the plain port with /metrics: one rule admits both.
+    let plain = objects(&json!({"scorer": {"tls": {"enabled": false}}}));
+    let rules = &find(&plain, "NetworkPolicy", "gpumem-scorer").unwrap()["spec"]["ingress"];
+    assert_eq!(rules.as_array().unwrap().len(), 1, "{rules:?}");
+    assert_eq!(rules[0]["ports"], json!([{"port": "http", "protocol": "TCP"}]));
+    assert_eq!(rules[0]["from"].as_array().unwrap().len(), 2);
+    assert_eq!(rules[0]["from"][1], monitoring);
 
     // Mode none (the default scheduler on the control plane's host network): admitted by address, and
     // no policy at all rather than one that would shut the scheduler out.
@@ -619,4 +629,104 @@ fn only_the_scheduler_and_prometheus_reach_the_scorer() {
     );
     let off = objects(&json!({"scorer": {"networkPolicy": {"enabled": false}}}));
     assert!(find(&off, "NetworkPolicy", "gpumem-scorer").is_none());
+}
+
+/// The volume of `container` mounted at the directory holding `file`: its Secret's name.
+fn secret_holding(spec: &PodSpec, container: &Container, file: &str) -> String {
+    let dir = Path::new(file).parent().unwrap();
+    let mount = container
+        .volume_mounts
+        .as_ref()
+        .unwrap()
+        .iter()
+        .find(|m| Path::new(&m.mount_path) == dir)
+        .unwrap_or_else(|| panic!("nothing mounted at the directory of {file}"));
+    let volume = spec
+        .volumes
+        .as_ref()
+        .unwrap()
+        .iter()
+        .find(|v| v.name == mount.name)
+        .unwrap();
+    volume.secret.as_ref().unwrap().secret_name.clone().unwrap()
+}
+
+#[test]
+fn the_scorer_serves_the_verbs_over_tls_from_secrets_that_gpumem_certs_makes() {
+    let docs = objects(&json!({}));
+    // The rendered configuration is one the scorer accepts, its files in the scorer's Secret.
+    let cm: ConfigMap = get(&docs, "ConfigMap", "gpumem-scorer");
+    let text = &cm.data.unwrap()["scorer.yaml"];
+    let config: gpumem::scorer::Config = serde_norway::from_str(text).unwrap();
+    config.validate().unwrap();
+    let tls = config.tls.expect("tls on by default");
+    let scorer: Deployment = get(&docs, "Deployment", "gpumem-scorer");
+    let spec = scorer.spec.unwrap().template.spec.unwrap();
+    let c = &spec.containers[0];
+    for file in [&tls.cert_file, &tls.key_file, &tls.client_ca_file] {
+        let file = file.to_str().unwrap();
+        assert_eq!(secret_holding(&spec, c, file), "gpumem-scorer-tls", "{file}");
+    }
+    // `gpumem certs` prints the commands that make these Secrets, with these keys.
+    let names: Vec<_> = [&tls.cert_file, &tls.key_file, &tls.client_ca_file]
+        .iter()
+        .map(|f| f.file_name().unwrap().to_str().unwrap().to_string())
+        .collect();
+    assert_eq!(names, ["tls.crt", "tls.key", "ca.crt"]);
+    let args = c.args.as_ref().unwrap();
+    assert!(
+        args.contains(&"--tls-listen=0.0.0.0:8443".to_string()),
+        "{args:?}"
+    );
+    let ports: Vec<_> = c
+        .ports
+        .as_ref()
+        .unwrap()
+        .iter()
+        .map(|p| (p.name.clone().unwrap(), p.container_port))
+        .collect();
+    assert_eq!(ports, [("http".to_string(), 8080), ("https".to_string(), 8443)]);
+    // Probes stay on the plain port, which keeps answering them.
+    let probe = c.readiness_probe.as_ref().unwrap().http_get.as_ref().unwrap();
+    assert_eq!(
+        probe.port,
+        k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::String("http".into())
+    );
+    let service = find(&docs, "Service", "gpumem-scorer").unwrap();
+    assert_eq!(
+        service["spec"]["ports"][1],
+        json!({"name": "https", "port": 8443, "targetPort": "https", "protocol": "TCP"})
+    );
+
+    // The second scheduler's client certificate comes from its own Secret.
+    let sched_cm: ConfigMap = get(&docs, "ConfigMap", "gpumem-scheduler");
+    let sched_config = &yaml_docs(&sched_cm.data.unwrap()["scheduler-config.yaml"], "config")[0];
+    let tls_config = &sched_config["extenders"][0]["tlsConfig"];
+    let sched: Deployment = get(&docs, "Deployment", "gpumem-scheduler");
+    let spec = sched.spec.unwrap().template.spec.unwrap();
+    for key in ["certFile", "keyFile", "caFile"] {
+        let file = tls_config[key].as_str().unwrap();
+        assert_eq!(
+            secret_holding(&spec, &spec.containers[0], file),
+            "gpumem-scheduler-tls",
+            "{key}"
+        );
+    }
+
+    // Off: plain HTTP everywhere, no Secret needed, a configuration the scorer accepts.
+    let plain = objects(&json!({"scorer": {"tls": {"enabled": false}}}));
+    let cm: ConfigMap = get(&plain, "ConfigMap", "gpumem-scorer");
+    let config: gpumem::scorer::Config = serde_norway::from_str(&cm.data.unwrap()["scorer.yaml"]).unwrap();
+    assert_eq!(config.tls, None);
+    let scorer: Deployment = get(&plain, "Deployment", "gpumem-scorer");
+    let spec = scorer.spec.unwrap().template.spec.unwrap();
+    assert!(spec.volumes.unwrap().iter().all(|v| v.secret.is_none()));
+    assert!(
+        !spec.containers[0]
+            .args
+            .as_ref()
+            .unwrap()
+            .iter()
+            .any(|a| a.starts_with("--tls-listen"))
+    );
 }

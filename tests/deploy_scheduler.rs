@@ -55,7 +55,18 @@ fn check_extender(config: &KubeSchedulerConfiguration, resources: [&str; 2], url
     let timeout = go_duration_secs(&e.http_timeout)
         .unwrap_or_else(|| panic!("{what}: httpTimeout {:?}", e.http_timeout));
     assert!(timeout > 0.0 && timeout < 30.0, "{what}: httpTimeout {timeout}s");
-    assert!(!e.enable_https, "{what}: the scorer serves plain HTTP");
+    // The verbs are served over TLS to the scheduler's client certificate only (docs/operate.md,
+    // "Security"): the scheduler verifies the scorer and presents its own certificate.
+    assert!(e.enable_https, "{what}: enableHTTPS");
+    assert!(e.url_prefix.starts_with("https://"), "{what}: {}", e.url_prefix);
+    let tls = e
+        .tls_config
+        .as_ref()
+        .unwrap_or_else(|| panic!("{what}: tlsConfig"));
+    assert!(!tls.insecure, "{what}: the scorer's certificate is verified");
+    for file in [&tls.cert_file, &tls.key_file, &tls.ca_file] {
+        assert!(file.starts_with('/'), "{what}: {file}");
+    }
     assert_eq!(config.profiles.len(), 1, "{what}");
 }
 
@@ -80,7 +91,7 @@ fn the_second_scheduler_calls_the_scorer_for_both_resources() {
     check_extender(
         &config,
         ["nvidia.com/gpu-mem", "nvidia.com/gpu"],
-        "http://gpumem-scorer.gpumem-system.svc:8080",
+        "https://gpumem-scorer.gpumem-system.svc:8443",
         "chart",
     );
     assert_eq!(config.api_version, "kubescheduler.config.k8s.io/v1");
@@ -95,7 +106,7 @@ fn the_second_scheduler_calls_the_scorer_for_both_resources() {
         .iter()
         .find(|d| d["kind"] == "Service" && d["metadata"]["name"] == "gpumem-scorer")
         .unwrap();
-    assert_eq!(service["spec"]["ports"][0]["port"], 8080);
+    assert_eq!(service["spec"]["ports"][1]["port"], 8443);
     let scorer = docs
         .iter()
         .find(|d| d["kind"] == "Deployment" && d["metadata"]["name"] == "gpumem-scorer")
@@ -119,12 +130,12 @@ fn the_second_scheduler_calls_the_scorer_for_both_resources() {
 
     let (config, _) = chart_config(
         &json!({"scheduler": {"configApiVersion": "v1beta3", "name": "gpu-sched"},
-        "resourceNames": {"gpu": "example.com/gpu", "mem": "example.com/vram"}, "scorer": {"port": 9090}}),
+        "resourceNames": {"gpu": "example.com/gpu", "mem": "example.com/vram"}, "scorer": {"port": 9090, "tls": {"port": 9443}}}),
     );
     check_extender(
         &config,
         ["example.com/vram", "example.com/gpu"],
-        "http://gpumem-scorer.gpumem-system.svc:9090",
+        "https://gpumem-scorer.gpumem-system.svc:9443",
         "chart v1beta3",
     );
     assert_eq!(config.api_version, "kubescheduler.config.k8s.io/v1beta3");
@@ -147,7 +158,7 @@ fn the_default_scheduler_files_call_the_scorer_at_its_fixed_address() {
         check_extender(
             &config,
             ["nvidia.com/gpu-mem", "nvidia.com/gpu"],
-            &format!("http://{ip}:8080"),
+            &format!("https://{ip}:8443"),
             file,
         );
         assert_eq!(config.profiles[0].scheduler_name, "default-scheduler");
@@ -204,12 +215,14 @@ fn the_default_scheduler_files_call_the_scorer_at_its_fixed_address() {
 #[test]
 fn a_wrong_verb_or_resource_fails() {
     let (config, _) = chart_config(&json!({}));
-    let url = "http://gpumem-scorer.gpumem-system.svc:8080";
+    let url = "https://gpumem-scorer.gpumem-system.svc:8443";
     let text = read(&repo().join("deploy/manifests/default-scheduler/kube-scheduler-config.yaml"));
     let original = yaml_docs(&text, "x")[0].clone();
     for (pointer, value) in [
         ("/extenders/0/bindVerb", json!("binding")),
         ("/extenders/0/managedResources/1/ignoredByScheduler", json!(true)),
+        ("/extenders/0/enableHTTPS", json!(false)),
+        ("/extenders/0/tlsConfig/caFile", json!("ca.crt")),
     ] {
         let mut doc = original.clone();
         *doc.pointer_mut(pointer).unwrap() = value;
@@ -218,7 +231,7 @@ fn a_wrong_verb_or_resource_fails() {
             check_extender(
                 &config,
                 ["nvidia.com/gpu-mem", "nvidia.com/gpu"],
-                "http://10.96.100.80:8080",
+                "https://10.96.100.80:8443",
                 "mutated",
             )
         });

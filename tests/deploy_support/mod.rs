@@ -544,9 +544,22 @@ pub struct Extender {
     pub http_timeout: String,
     #[serde(rename = "enableHTTPS")]
     pub enable_https: bool,
+    pub tls_config: Option<ExtenderTlsConfig>,
     pub node_cache_capable: bool,
     pub ignorable: bool,
     pub managed_resources: Vec<ManagedResource>,
+}
+
+/// kube-scheduler's `ExtenderTLSConfig` (the file fields; `certData` and the like are not used).
+#[derive(Debug, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ExtenderTlsConfig {
+    #[serde(default)]
+    pub insecure: bool,
+    pub server_name: Option<String>,
+    pub cert_file: String,
+    pub key_file: String,
+    pub ca_file: String,
 }
 
 #[derive(Debug, Deserialize, PartialEq)]

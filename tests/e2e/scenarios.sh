@@ -2,7 +2,7 @@
 # an idle real node and leaves it idle. The real node serves the `mixed` profile: GPUs 0 and 1 are
 # V100-SXM2-32GB (32768 MiB) joined by NVLink, GPUs 2 and 3 are T4 (15360 MiB); 1 unit = 1 MiB.
 
-ALL_SCENARIOS="registration canonical_quantities fragmentation whole_gpus xid multi_node agent_restart \
+ALL_SCENARIOS="registration extender_tls canonical_quantities fragmentation whole_gpus xid multi_node agent_restart \
 kubelet_restart scorer_restart overlays"
 
 V100_MIB=32768
@@ -57,6 +57,35 @@ scenario_registration() {
   eventually "scorer ready (/readyz)" 30 curl -sf "http://$SCORER_ADDR/readyz"
   expect_contains "agent metrics: both plugins registered" 'gpumem_plugin_registered{resource="nvidia.com/gpu-mem"} 1' \
     "$(curl -s "http://$AGENT_METRICS/metrics")"
+}
+
+scenario_extender_tls() {
+  scenario "kube-scheduler reaches the verbs over TLS with its certificate; nobody else does"
+  local before
+  before=$(scorer_calls filter)
+  new_pod tls-a nvidia.com/gpu-mem 1000
+  eventually "a gpu-mem pod runs, placed through the TLS port" 60 is_running tls-a
+  if [ "$(scorer_calls filter)" -gt "$before" ]; then
+    ok "the scheduler's filter calls reached the scorer"
+  else
+    bad "the scheduler's filter calls reached the scorer" "$before -> $(scorer_calls filter)"
+  fi
+  local bind='{"PodName":"tls-a","PodNamespace":"'$NS'","PodUID":"x","Node":"'$REAL_NODE'"}'
+  local port=${SCORER_TLS_ADDR#*:} name=gpumem-scorer.gpumem-system.svc
+  expect_eq "plain port: bind refused" 403 \
+    "$(curl -s -o /dev/null -w '%{http_code}' -X POST -d "$bind" "http://$SCORER_ADDR/bind")"
+  if curl -s -m 5 --cacert "$CERTS/ca.crt" --resolve "$name:$port:127.0.0.1" \
+    -X POST -d "$bind" "https://$name:$port/bind" > /dev/null 2>&1; then
+    bad "TLS port without a client certificate: refused" "curl got an answer"
+  else
+    ok "TLS port without a client certificate: refused"
+  fi
+  # A wrong UID: answered 200 with the protocol's Error, and nothing bound.
+  expect_contains "TLS port with the scheduler's certificate: answered (UID refused)" 'has UID' \
+    "$(curl -s -m 5 --cacert "$CERTS/ca.crt" --cert "$CERTS/scheduler.crt" --key "$CERTS/scheduler.key" \
+      --resolve "$name:$port:127.0.0.1" -X POST -d "$bind" "https://$name:$port/bind")"
+  delete_pods tls-a
+  wait_idle
 }
 
 scenario_canonical_quantities() {
