@@ -279,6 +279,8 @@ async fn flood_out_of_descriptors(addr: SocketAddr, pid: u32, log: impl Fn() -> 
     let before = cpu_ticks(pid);
     tokio::time::sleep(Duration::from_secs(3)).await;
     let used = cpu_ticks(pid) - before;
+    // The figure issue 14 asked for (9.9 s of CPU in 10 s before): `--no-capture` shows it.
+    eprintln!("out of descriptors: {:.2} s of CPU in 3 s", used as f64 / 100.0);
     assert!(
         used < 150,
         "{:.2} s of CPU in 3 s out of descriptors: the accept loop spins",

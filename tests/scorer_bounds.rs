@@ -252,3 +252,73 @@ fn heavy_decisions_leave_health_answering() {
         assert!(asked >= 3, "only {asked} health probes while the decisions ran");
     });
 }
+
+/// This process's peak resident memory (VmHWM), in MB.
+fn peak_rss_mb() -> f64 {
+    let status = std::fs::read_to_string("/proc/self/status").expect("/proc/self/status");
+    let kb: f64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .expect("VmHWM");
+    kb / 1000.0
+}
+
+/// The figures behind `DEFAULT_MAX_BODY_BYTES` (issue #14, item 3). A measurement, not a check of speed:
+/// `cargo test --release --test scorer_bounds -- --ignored --nocapture peak_memory`. The process holds the
+/// client's side too (each request's text, one at a time), so the figures are an upper bound.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "a measurement; run in release with --nocapture"]
+async fn peak_memory_of_the_largest_accepted_requests() {
+    let eight = |k: usize| -> Vec<G> { (0..8).map(|i| g(81920, ((k + i) % 4) as u64 * 10240)).collect() };
+    let known: Vec<Value> = (0..5000)
+        .map(|k| node_json(&format!("node-{k:04}"), &eight(k)))
+        .collect();
+    let (addr, _) = start(Scorer::new(Config::default(), None, Some(cache_of(known)), None)).await;
+    let pod = pod_json("p", 5000, 0, json!({}), json!({}));
+    println!(
+        "node cache of 5,000 nodes of 8 GPUs: peak {:.0} MB",
+        peak_rss_mb()
+    );
+
+    let names: Vec<String> = (0..MAX_NODES)
+        .map(|i| format!("{i:0width$}", width = MAX_NODE_NAME_BYTES))
+        .collect();
+    let body = names_args(&pod, &names);
+    for verb in ["/filter", "/prioritize"] {
+        let (status, _) = post(addr, verb, &body).await;
+        assert_eq!(status, 200, "{verb}");
+    }
+    drop(body);
+    println!(
+        "{MAX_NODES} unknown names of {MAX_NODE_NAME_BYTES} bytes, filter then prioritize: peak {:.0} MB",
+        peak_rss_mb()
+    );
+
+    // `Nodes`-form requests just under the limit, each of nodes never seen before.
+    let limit = Config::default().max_body_bytes;
+    // Measured on a sample of the request as sent (the pod and the list around the nodes included).
+    let sample: Vec<Value> = (0..100)
+        .map(|k| node_json(&format!("r10-n{k:05}"), &eight(k)))
+        .collect();
+    let per_node = args_nodes(&pod, &sample).to_string().len() / 100 + 8;
+    let count = (limit - 4096) / per_node;
+    for round in 0..12 {
+        let items: Vec<Value> = (0..count)
+            .map(|k| node_json(&format!("r{round}-n{k:05}"), &eight(k)))
+            .collect();
+        let body = args_nodes(&pod, &items).to_string();
+        drop(items);
+        assert!(body.len() <= limit, "{} bytes", body.len());
+        for verb in ["/filter", "/prioritize"] {
+            let (status, _) = post(addr, verb, &body).await;
+            assert_eq!(status, 200, "{verb}");
+        }
+    }
+    println!(
+        "12 different `Nodes`-form requests of {count} nodes of 8 GPUs (under {} MiB), filter then \
+         prioritize each: peak {:.0} MB",
+        limit >> 20,
+        peak_rss_mb()
+    );
+}

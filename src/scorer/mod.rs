@@ -84,10 +84,12 @@ pub struct TypicalEntry {
 /// The default `maxBodyBytes`: 16 MiB. The largest request kube-scheduler sends in the `NodeNames` form
 /// is under 4 MiB (15,000 names of 253 bytes, [`extender::MAX_NODES`]); in the `Nodes` form, 16 MiB is
 /// 1,000 nodes of 16 KiB (kube-scheduler sends a sample: 500 of 5,000 nodes by default). Measured
-/// (VmHWM of the scorer process, release build, node cache of 5,000 nodes of 8 GPUs: 75 MB):
-/// 15,000 unknown names of 253 bytes, filter then prioritize: 114 MB; twelve different `Nodes`-form
-/// requests of 16 MiB (4,000 nodes of 8 GPUs each), filter then prioritize each: FIGURE. With 64 MiB
-/// the `Nodes` form alone reached 376 MB in one request, 729 MB in six: the deployed limit is 512 Mi.
+/// (`cargo test --release --test scorer_bounds -- --ignored --nocapture peak_memory`: VmHWM of the
+/// test process, which holds the scorer and the client's request text; node cache of 5,000 nodes of
+/// 8 GPUs: 52 MB): 15,000 unknown names of 253 bytes, filter then prioritize: 103 MB; twelve
+/// different `Nodes`-form requests just under 16 MiB (6,585 nodes of 8 GPUs each), filter then
+/// prioritize each: 419 MB. With 64 MiB the `Nodes` form alone reached 376 MB in one request, 729 MB
+/// in six: the deployed limit is 512 Mi.
 pub const DEFAULT_MAX_BODY_BYTES: usize = 16 << 20;
 
 /// The scorer's configuration (`--config`, YAML, camelCase keys; every key optional).
