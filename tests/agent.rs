@@ -496,17 +496,20 @@ async fn the_node_shows_its_gpus_and_their_use_through_outages() {
     // changes, not on annotation changes); more use does not.
     let freed_at = |applied: &Recorded| metadata_maps(applied).0.get(ROOM_FREED).cloned();
     assert!(freed_at(&first).is_some(), "set at start");
+    // The allocation above is still unnamed, `(allocating)`: listing its pod changes the label too (the
+    // scorer, which also held the bind's reservation, counted it twice until then).
+    let unnamed = freed_at(&api.node_applies("node-a").pop().expect("applies"));
     node.pods
         .add_container("team", "a", "c", MEM, &refs(&units(1, 0..3)));
     node.pods
         .add_container("team", "b", "c", MEM, &refs(&units(1, 3..5)));
     let busy = api
-        .wait_for("both pods on GPU 1", WAIT, |api| {
+        .wait_for("both pods on GPU 1, the label moved", WAIT, |api| {
             let last = api.node_applies("node-a").pop()?;
             let usage =
                 gpumem::node::UsageAnnotation::parse(metadata_maps(&last).1.get("gpumem.io/gpu-usage")?)
                     .ok()?;
-            (usage.gpus[1].pods.len() == 2).then_some(last)
+            (usage.gpus[1].pods.len() == 2 && freed_at(&last) != unnamed).then_some(last)
         })
         .await;
     let before = freed_at(&busy);

@@ -12,7 +12,7 @@ use tokio::sync::watch;
 
 use crate::alloc::local::{self, FreeMemory, PairScores};
 use crate::gpu::GpuInventory;
-use crate::node::{GpuMode, GpuUsage, UsageAnnotation};
+use crate::node::{ALLOCATING_POD, GpuMode, GpuUsage, UsageAnnotation};
 use crate::plugin::devices;
 use crate::plugin::proto::podresources::ListPodResourcesResponse;
 use crate::plugin::proto::v1beta1::Device;
@@ -190,11 +190,11 @@ impl NodeState {
         for p in &inner.pending {
             match &p.kind {
                 PendingKind::Whole => {
-                    all[p.gpu].whole.insert("(allocating)".into());
+                    all[p.gpu].whole.insert(ALLOCATING_POD.into());
                 }
                 PendingKind::Units(units) => {
                     for &u in units {
-                        all[p.gpu].units.entry(u).or_insert_with(|| "(allocating)".into());
+                        all[p.gpu].units.entry(u).or_insert_with(|| ALLOCATING_POD.into());
                     }
                 }
             }

@@ -208,6 +208,10 @@ impl From<NvLinkPeer> for NvLinkPeerJson {
     }
 }
 
+/// The pod name the usage annotation gives an allocation the kubelet made but has not listed yet (its
+/// pod is not known until PodResources lists it).
+pub const ALLOCATING_POD: &str = "(allocating)";
+
 /// `gpumem.io/gpu-usage`: what is allocated on each GPU, and to whom.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
@@ -228,7 +232,11 @@ pub struct GpuUsage {
 }
 
 /// Whether the GPUs described by `after` have room those of `before` lacked: a GPU with less allocated, one
-/// no longer held whole, one healthy again, or one not there before (see [`ROOM_FREED_LABEL`]).
+/// no longer held whole, one healthy again, or one not there before (see [`ROOM_FREED_LABEL`]). Also, for
+/// the scorer, a GPU whose unnamed allocation ([`ALLOCATING_POD`]) now has its pod's name: until then
+/// the scorer counts that pod twice, in the annotation and in the reservation its bind made, which it
+/// drops only once the annotation names the pod. Without a label change kube-scheduler would not
+/// retry the pods refused meanwhile for a minute or more.
 pub fn room_grew(
     before: (&TopologyAnnotation, &UsageAnnotation),
     after: (&TopologyAnnotation, &UsageAnnotation),
@@ -243,8 +251,16 @@ pub fn room_grew(
         let Some(was) = before.1.gpus.iter().find(|g| g.index == now.index) else {
             return true;
         };
+        let named = || {
+            was.pods.iter().any(|p| p == ALLOCATING_POD)
+                && now
+                    .pods
+                    .iter()
+                    .any(|p| p != ALLOCATING_POD && !was.pods.contains(p))
+        };
         now.allocated_mib < was.allocated_mib
             || (was.mode == GpuMode::Whole && now.mode != GpuMode::Whole)
+            || named()
             || (healthy(after.0, now.index) && !healthy(before.0, now.index))
     })
 }
@@ -714,6 +730,26 @@ mod tests {
         assert!(
             room_grew((&healthy, &fewer), (&healthy, &idle)),
             "a GPU that was not there"
+        );
+        // The kubelet's allocation gets its pod's name: same memory, but the scorer stops counting
+        // it twice.
+        let mut allocating = shared.clone();
+        allocating.gpus[1].pods = vec![ALLOCATING_POD.into()];
+        let mut named = shared.clone();
+        named.gpus[1].pods = vec!["team-a/p".into()];
+        assert!(
+            room_grew((&healthy, &allocating), (&healthy, &named)),
+            "an allocation named"
+        );
+        assert!(
+            !room_grew((&healthy, &named), (&healthy, &allocating)),
+            "an allocation not yet named"
+        );
+        let mut both = more.clone();
+        both.gpus[1].pods = vec![ALLOCATING_POD.into(), "team-a/p".into()];
+        assert!(
+            !room_grew((&healthy, &named), (&healthy, &both)),
+            "another allocation begins beside a named one"
         );
     }
 }
