@@ -194,15 +194,36 @@ async fn connection<H, F>(
 
 /// Logs a refused TLS handshake: the first, then at most one a second with the count not logged.
 fn refused_handshake(error: &io::Error) {
-    static LOGGED: std::sync::Mutex<(Option<Instant>, u64)> = std::sync::Mutex::new((None, 0));
-    let mut logged = LOGGED.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-    let (at, unlogged) = &mut *logged;
-    if at.is_none_or(|at| at.elapsed() >= LOG_EVERY) {
-        tracing::warn!(%error, not_logged = *unlogged, "TLS handshake refused");
-        *at = Some(Instant::now());
-        *unlogged = 0;
-    } else {
-        *unlogged += 1;
+    static PACE: std::sync::Mutex<LogPace> = std::sync::Mutex::new(LogPace::new());
+    let due = PACE.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).due();
+    if let Some(not_logged) = due {
+        tracing::warn!(%error, not_logged, "TLS handshake refused");
+    }
+}
+
+/// Lets one log line of a kind through per [`LOG_EVERY`], counting those held back.
+struct LogPace {
+    logged: Option<Instant>,
+    unlogged: u64,
+}
+
+impl LogPace {
+    const fn new() -> Self {
+        Self {
+            logged: None,
+            unlogged: 0,
+        }
+    }
+
+    /// `Some(lines held back since the last one)` if this one is to be logged.
+    fn due(&mut self) -> Option<u64> {
+        if self.logged.is_none_or(|at| at.elapsed() >= LOG_EVERY) {
+            self.logged = Some(Instant::now());
+            Some(std::mem::take(&mut self.unlogged))
+        } else {
+            self.unlogged += 1;
+            None
+        }
     }
 }
 
@@ -221,16 +242,14 @@ const LOG_EVERY: Duration = Duration::from_secs(1);
 /// The accept loop's pause after errors, and how often they are logged.
 struct AcceptErrors {
     pause: Duration,
-    logged: Option<Instant>,
-    unlogged: u64,
+    log: LogPace,
 }
 
 impl Default for AcceptErrors {
     fn default() -> Self {
         Self {
             pause: FIRST_PAUSE,
-            logged: None,
-            unlogged: 0,
+            log: LogPace::new(),
         }
     }
 }
@@ -240,17 +259,13 @@ impl AcceptErrors {
     fn failed(&mut self, error: &io::Error) -> Duration {
         let pause = self.pause;
         self.pause = (pause * 2).min(LONGEST_PAUSE);
-        if self.logged.is_none_or(|at| at.elapsed() >= LOG_EVERY) {
+        if let Some(not_logged) = self.log.due() {
             tracing::warn!(
                 %error,
-                not_logged = self.unlogged,
+                not_logged,
                 pause_ms = pause.as_millis(),
                 "cannot accept connections; pausing"
             );
-            self.logged = Some(Instant::now());
-            self.unlogged = 0;
-        } else {
-            self.unlogged += 1;
         }
         pause
     }

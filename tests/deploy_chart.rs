@@ -634,20 +634,7 @@ fn only_the_scheduler_and_prometheus_reach_the_scorer() {
 /// The volume of `container` mounted at the directory holding `file`: its Secret's name.
 fn secret_holding(spec: &PodSpec, container: &Container, file: &str) -> String {
     let dir = Path::new(file).parent().unwrap();
-    let mount = container
-        .volume_mounts
-        .as_ref()
-        .unwrap()
-        .iter()
-        .find(|m| Path::new(&m.mount_path) == dir)
-        .unwrap_or_else(|| panic!("nothing mounted at the directory of {file}"));
-    let volume = spec
-        .volumes
-        .as_ref()
-        .unwrap()
-        .iter()
-        .find(|v| v.name == mount.name)
-        .unwrap();
+    let (volume, _) = mounted_volume(spec, container, |path| Path::new(path) == dir);
     volume.secret.as_ref().unwrap().secret_name.clone().unwrap()
 }
 

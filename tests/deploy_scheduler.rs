@@ -195,21 +195,8 @@ fn the_default_scheduler_files_call_the_scorer_at_its_fixed_address() {
             "{flag} is in the configuration file"
         );
     }
-    let mount = c
-        .volume_mounts
-        .as_ref()
-        .unwrap()
-        .iter()
-        .find(|m| config.starts_with(&m.mount_path))
-        .unwrap();
-    let volume = spec
-        .volumes
-        .as_ref()
-        .unwrap()
-        .iter()
-        .find(|v| v.name == mount.name)
-        .unwrap();
-    assert_eq!(volume.host_path.as_ref().unwrap().path, mount.mount_path);
+    let (volume, mount_path) = mounted_volume(&spec, c, |path| config.starts_with(path));
+    assert_eq!(volume.host_path.as_ref().unwrap().path, mount_path);
 }
 
 #[test]

@@ -814,3 +814,26 @@ pub fn promql_metrics(expr: &str) -> Result<BTreeSet<String>, String> {
     let _ = last_word;
     Ok(out)
 }
+
+/// The volume `container` of `spec` mounts at a path `at` accepts.
+pub fn mounted_volume<'a>(
+    spec: &'a k8s_openapi::api::core::v1::PodSpec,
+    container: &k8s_openapi::api::core::v1::Container,
+    at: impl Fn(&str) -> bool,
+) -> (&'a k8s_openapi::api::core::v1::Volume, String) {
+    let mount = container
+        .volume_mounts
+        .as_ref()
+        .expect("volume mounts")
+        .iter()
+        .find(|m| at(&m.mount_path))
+        .expect("a volume mounted there");
+    let volume = spec
+        .volumes
+        .as_ref()
+        .expect("volumes")
+        .iter()
+        .find(|v| v.name == mount.name)
+        .expect("the mounted volume");
+    (volume, mount.mount_path.clone())
+}
