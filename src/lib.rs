@@ -6,6 +6,8 @@
 //! - [`node`]: the labels and annotations the agent publishes on its Node;
 //! - [`inspect`]: `gpumem inspect`, a human view of all of the above;
 //! - [`alloc`]: the placement policy (which node, which GPUs), pure, shared by scorer, agent and simulator;
+//! - [`claim`]: the GPUClaim resource (a GPU memory request that steps down while it cannot be
+//!   placed) and its controller;
 //! - [`sim`]: `gpumem simulate`, replaying cluster traces through [`alloc`];
 //! - [`http`]: the HTTP/1.1 server of the scorer and of the agent's metrics, with its limits;
 //! - [`quantity`]: Kubernetes resource quantities (`5k`, `1.5Gi`, `500m`), read exactly as the API
@@ -15,6 +17,7 @@
 
 pub mod agent;
 pub mod alloc;
+pub mod claim;
 pub mod gpu;
 pub mod http;
 pub mod inspect;

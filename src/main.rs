@@ -24,6 +24,8 @@ enum Command {
     Scorer(gpumem::scorer::ScorerArgs),
     /// Make the certificates that authenticate kube-scheduler and the scorer to each other.
     Certs(gpumem::tls::certs::CertsArgs),
+    /// GPU claims: GPU memory requests that step down while fragmentation keeps them unscheduled.
+    Claims(gpumem::claim::ClaimsArgs),
 }
 
 fn main() -> ExitCode {
@@ -40,6 +42,7 @@ fn main() -> ExitCode {
         Command::Simulate(args) => gpumem::sim::run(&args),
         Command::Scorer(args) => gpumem::scorer::run(&args),
         Command::Certs(args) => gpumem::tls::certs::run(&args),
+        Command::Claims(args) => gpumem::claim::run(&args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -1,0 +1,497 @@
+//! What a claim should do next, decided from its spec, its status and its pods, without I/O: the
+//! controller observes, calls [`decide`], and carries out the [`Decision`] in its order (delete the
+//! pod it replaces, write the status, create the new pod), so that a restart at any point leaves a
+//! status from which the same decision follows.
+//!
+//! The rule: the pod runs at the claim's current request; while it is unschedulable because of GPU
+//! memory (kube-scheduler's message says `nvidia.com/gpu-mem`, or the scorer's `MiB` reasons), and
+//! has waited `fallbackAfter` since it was created, and no preemption is making room for it
+//! (`nominatedNodeName`), the request steps down by `stepMiB`, never below the minimum.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::{Container, Pod, PodTemplateSpec, ResourceRequirements};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference, Time};
+use k8s_openapi::jiff::Timestamp;
+
+use super::resource::{
+    Condition, DEFAULT_MIN_MIB, GpuClaim, GpuClaimStatus, MAX_MIB, Phase, Step, WorkloadClass,
+};
+use crate::node::ASSIGNED_GPUS_ANNOTATION;
+use crate::scorer::state::{
+    GPU_MEM_RESOURCE, GPU_MODELS_ANNOTATION, GPU_RESOURCE, PREEMPTIBLE_KEY, WORKLOAD_CLASS_KEY,
+};
+
+/// Pod label: the name of the claim that owns the pod.
+pub const CLAIM_LABEL: &str = "gpumem.io/claim";
+/// Pod label: the request the pod was created with, in MiB.
+pub const REQUEST_LABEL: &str = "gpumem.io/claim-request-mib";
+/// Condition: whether the spec can be acted on.
+pub const VALID: &str = "Valid";
+/// Condition: whether the claim's pod is bound to a node.
+pub const SCHEDULED: &str = "Scheduled";
+
+/// A claim's spec, checked and with its defaults applied.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Plan {
+    pub first_mib: u64,
+    pub min_mib: u64,
+    pub step_mib: u64,
+    pub fallback_after: Duration,
+    pub models: Vec<String>,
+    pub preemptible: bool,
+    pub class: Option<WorkloadClass>,
+    pub template: PodTemplateSpec,
+}
+
+impl Plan {
+    /// The spec, checked: every problem a user can fix, in one message.
+    pub fn from_claim(claim: &GpuClaim) -> Result<Plan, String> {
+        let spec = &claim.spec;
+        let mut problems = Vec::new();
+        let in_range = |v: u64| (1..=MAX_MIB).contains(&v);
+        if !in_range(spec.gpu_mem_mib) {
+            problems.push(format!("gpuMemMiB {} is not in 1..={MAX_MIB}", spec.gpu_mem_mib));
+        }
+        let min_mib = spec
+            .min_gpu_mem_mib
+            .unwrap_or(DEFAULT_MIN_MIB.min(spec.gpu_mem_mib));
+        if min_mib == 0 || min_mib > spec.gpu_mem_mib {
+            problems.push(format!(
+                "minGpuMemMiB {min_mib} is not in 1..=gpuMemMiB ({})",
+                spec.gpu_mem_mib
+            ));
+        }
+        if !in_range(spec.step_mib) {
+            problems.push(format!("stepMiB {} is not in 1..={MAX_MIB}", spec.step_mib));
+        }
+        let fallback_after = match spec.fallback_after.parse::<kube::core::Duration>() {
+            Ok(d) if d.is_negative() => {
+                problems.push(format!("fallbackAfter {:?} is negative", spec.fallback_after));
+                Duration::ZERO
+            }
+            Ok(d) => d.into(),
+            Err(e) => {
+                problems.push(format!(
+                    "fallbackAfter {:?} is not a duration such as 90s or 5m: {e}",
+                    spec.fallback_after
+                ));
+                Duration::ZERO
+            }
+        };
+        for model in &spec.gpu_models {
+            if model.trim().is_empty() || model.contains(',') {
+                problems.push(format!(
+                    "gpuModels entry {model:?} must be one model name, without commas"
+                ));
+            }
+        }
+        let template = match serde_json::from_value::<PodTemplateSpec>(spec.template.clone()) {
+            Ok(t) => check_template(t, &mut problems),
+            Err(e) => {
+                problems.push(format!("template is not a pod template: {e}"));
+                PodTemplateSpec::default()
+            }
+        };
+        if let Some(name) = claim.metadata.name.as_deref() {
+            // The pods carry the claim's name as a label value: at most 63 characters.
+            if name.len() > 63 {
+                problems.push(format!(
+                    "the claim's name is longer than 63 characters, so its pods cannot be labelled with it"
+                ));
+            }
+            let longest = pod_name(name, spec.gpu_mem_mib);
+            if let Err(e) = crate::names::check_subdomain(&longest) {
+                problems.push(format!("the claim's pod name {longest:?} is not valid: {e}"));
+            }
+        }
+        if !problems.is_empty() {
+            return Err(problems.join("; "));
+        }
+        Ok(Plan {
+            first_mib: spec.gpu_mem_mib,
+            min_mib,
+            step_mib: spec.step_mib,
+            fallback_after,
+            models: spec.gpu_models.iter().map(|m| m.trim().to_string()).collect(),
+            preemptible: spec.preemptible,
+            class: spec.workload_class,
+            template,
+        })
+    }
+
+    /// The request to run at: the status's, kept within the spec's bounds (a user may have edited
+    /// either).
+    pub fn request_mib(&self, status: &GpuClaimStatus) -> u64 {
+        status
+            .request_mib
+            .unwrap_or(self.first_mib)
+            .min(self.first_mib)
+            .max(self.min_mib)
+    }
+
+    /// The request after one step down from `mib`.
+    pub fn step_down(&self, mib: u64) -> u64 {
+        mib.saturating_sub(self.step_mib).max(self.min_mib)
+    }
+}
+
+fn check_template(t: PodTemplateSpec, problems: &mut Vec<String>) -> PodTemplateSpec {
+    match t.spec.as_ref().map(|s| s.containers.as_slice()) {
+        None | Some([]) => problems.push("template.spec has no containers".to_string()),
+        Some(containers) => {
+            let asks_whole = containers.iter().chain(t.spec.iter().flat_map(|s| s.init_containers.iter().flatten())).any(|c| {
+                let r = c.resources.as_ref();
+                let has = |m: Option<&BTreeMap<String, Quantity>>| m.is_some_and(|m| m.contains_key(GPU_RESOURCE));
+                has(r.and_then(|r| r.limits.as_ref())) || has(r.and_then(|r| r.requests.as_ref()))
+            });
+            if asks_whole {
+                problems.push(format!(
+                    "template asks for {GPU_RESOURCE}: a claim asks for GPU memory only (the claim sets {GPU_MEM_RESOURCE})"
+                ));
+            }
+        }
+    }
+    t
+}
+
+/// The name of the claim's pod at `request_mib`: one name per request, so that a pod being replaced
+/// never holds up its successor's name, and a restarted controller finds the pod it created.
+pub fn pod_name(claim: &str, request_mib: u64) -> String {
+    format!("{claim}-{request_mib}mib")
+}
+
+/// A pod of the claim, as the controller lists it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PodView {
+    pub name: String,
+    pub uid: String,
+    pub resource_version: String,
+    pub request_mib: Option<u64>,
+    pub created: Option<Timestamp>,
+    pub terminating: bool,
+    /// `Pending`, `Running`, `Succeeded`, `Failed` or `Unknown`.
+    pub phase: String,
+    pub node: Option<String>,
+    pub nominated_node: Option<String>,
+    pub gpus: Option<String>,
+    /// kube-scheduler's `PodScheduled=False, reason Unschedulable` message, if that is the pod's state.
+    pub unschedulable: Option<String>,
+}
+
+impl PodView {
+    pub fn from_pod(pod: &Pod) -> PodView {
+        let meta = &pod.metadata;
+        let status = pod.status.as_ref();
+        let unschedulable = status
+            .and_then(|s| s.conditions.as_ref())
+            .and_then(|cs| cs.iter().find(|c| c.type_ == "PodScheduled"))
+            .filter(|c| c.status == "False" && c.reason.as_deref() == Some("Unschedulable"))
+            .map(|c| c.message.clone().unwrap_or_default());
+        PodView {
+            name: meta.name.clone().unwrap_or_default(),
+            uid: meta.uid.clone().unwrap_or_default(),
+            resource_version: meta.resource_version.clone().unwrap_or_default(),
+            request_mib: meta
+                .labels
+                .as_ref()
+                .and_then(|l| l.get(REQUEST_LABEL))
+                .and_then(|v| v.parse().ok()),
+            created: meta.creation_timestamp.as_ref().map(|t| t.0),
+            terminating: meta.deletion_timestamp.is_some(),
+            phase: status
+                .and_then(|s| s.phase.clone())
+                .unwrap_or_else(|| "Pending".to_string()),
+            node: pod
+                .spec
+                .as_ref()
+                .and_then(|s| s.node_name.clone())
+                .filter(|n| !n.is_empty()),
+            nominated_node: status
+                .and_then(|s| s.nominated_node_name.clone())
+                .filter(|n| !n.is_empty()),
+            gpus: meta
+                .annotations
+                .as_ref()
+                .and_then(|a| a.get(ASSIGNED_GPUS_ANNOTATION).cloned()),
+            unschedulable,
+        }
+    }
+}
+
+/// Whether kube-scheduler's message says that GPU memory is what the pod lacks somewhere: then a
+/// smaller request may fit. (Other reasons, a taint or too little CPU, a smaller request would not
+/// cure.)
+pub fn lacks_gpu_memory(message: &str) -> bool {
+    message.contains(GPU_MEM_RESOURCE) || message.contains(" MiB")
+}
+
+/// An event on the claim.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Note {
+    pub warning: bool,
+    pub reason: &'static str,
+    pub message: String,
+}
+
+/// What the controller does, in this order.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Decision {
+    /// Pods to delete first (a pod replaced by a step down, or left from an earlier request), each
+    /// only as it was seen (uid and resourceVersion): a pod that changed meanwhile is decided again.
+    pub delete: Vec<PodView>,
+    /// The status to write.
+    pub status: GpuClaimStatus,
+    /// The pod to create, at `status.request_mib`.
+    pub create: Option<String>,
+    pub notes: Vec<Note>,
+    /// When to look again if nothing changes before.
+    pub requeue: Option<Duration>,
+}
+
+/// Decides for `claim`, whose spec checked to `plan` (or did not), given its pods.
+pub fn decide(
+    claim: &GpuClaim,
+    plan: &Result<Plan, String>,
+    pods: &[PodView],
+    now: Timestamp,
+) -> Decision {
+    let old = claim.status.clone().unwrap_or_default();
+    let mut status = old.clone();
+    status.observed_generation = claim.metadata.generation;
+    let name = claim.metadata.name.as_deref().unwrap_or_default();
+    let mut decision = Decision {
+        delete: Vec::new(),
+        status: GpuClaimStatus::default(),
+        create: None,
+        notes: Vec::new(),
+        requeue: None,
+    };
+    let plan = match plan {
+        Ok(plan) => plan,
+        Err(problems) => {
+            if old.phase != Some(Phase::Invalid) || !has_condition(&old, VALID, "False", problems)
+            {
+                decision.notes.push(Note {
+                    warning: true,
+                    reason: "InvalidSpec",
+                    message: problems.clone(),
+                });
+            }
+            if !old.phase.is_some_and(Phase::is_final) {
+                status.phase = Some(Phase::Invalid);
+            }
+            set_condition(&mut status, VALID, "False", "InvalidSpec", problems, now);
+            decision.status = status;
+            return decision;
+        }
+    };
+    set_condition(&mut status, VALID, "True", "Valid", "the spec can be acted on", now);
+    status.min_mib = Some(plan.min_mib);
+    let mut request = plan.request_mib(&old);
+    status.request_mib = Some(request);
+    let current_name = pod_name(name, request);
+
+    // Pods left from an earlier request (a user lowered the spec, or edited the status) go; a
+    // pod already being deleted is only waited for.
+    let mut current = None;
+    for pod in pods.iter().filter(|p| !p.terminating) {
+        if pod.name == current_name && pod.request_mib == Some(request) {
+            current = Some(pod);
+        } else if !old.phase.is_some_and(Phase::is_final) {
+            decision.delete.push(pod.clone());
+        }
+    }
+
+    if old.phase.is_some_and(Phase::is_final) {
+        // The claim ran to its end: it creates nothing more.
+        decision.status = status;
+        return decision;
+    }
+
+    match current {
+        None => {
+            status.phase = Some(Phase::Pending);
+            status.pod = Some(current_name.clone());
+            status.node = None;
+            status.gpus = None;
+            if pods.iter().any(|p| p.terminating && p.name == current_name) {
+                // Its name is still taken: look again shortly.
+                decision.requeue = Some(Duration::from_secs(2));
+            } else {
+                decision.create = Some(current_name);
+                decision.notes.push(Note {
+                    warning: false,
+                    reason: "CreatedPod",
+                    message: format!("pod {} asks for {request} MiB of GPU memory", pod_name(name, request)),
+                });
+            }
+            set_condition(&mut status, SCHEDULED, "False", "PodCreated", "waiting for kube-scheduler", now);
+        }
+        Some(pod) => {
+            status.pod = Some(pod.name.clone());
+            status.node = pod.node.clone();
+            status.gpus = pod.gpus.clone();
+            status.phase = Some(match pod.phase.as_str() {
+                "Running" => Phase::Running,
+                "Succeeded" => Phase::Succeeded,
+                "Failed" => Phase::Failed,
+                _ => Phase::Pending,
+            });
+            if let Some(node) = &pod.node {
+                let gpus = pod.gpus.as_deref().map(|g| format!(", GPUs {g}")).unwrap_or_default();
+                set_condition(
+                    &mut status,
+                    SCHEDULED,
+                    "True",
+                    "Bound",
+                    &format!("pod {} on node {node}{gpus} with {request} MiB", pod.name),
+                    now,
+                );
+            } else if let Some(message) = &pod.unschedulable {
+                let waited = pod
+                    .created
+                    .map(|c| Duration::try_from(now.duration_since(c)).unwrap_or(Duration::ZERO))
+                    .unwrap_or(Duration::ZERO);
+                let wait = format!("unschedulable for {}s: {message}", waited.as_secs());
+                if pod.nominated_node.is_some() {
+                    // Preemption is making room on that node: give it the time it takes.
+                    set_condition(&mut status, SCHEDULED, "False", "Preempting", &wait, now);
+                    decision.requeue = Some(plan.fallback_after.max(Duration::from_secs(1)));
+                } else if !lacks_gpu_memory(message) {
+                    set_condition(&mut status, SCHEDULED, "False", "Unschedulable",
+                        &format!("{wait} (not for GPU memory: the claim does not step down)"), now);
+                } else if request <= plan.min_mib {
+                    let text = format!("at its minimum of {} MiB, {wait}", plan.min_mib);
+                    if !has_reason(&old, SCHEDULED, "UnschedulableAtMinimum") {
+                        decision.notes.push(Note { warning: true, reason: "AtMinimum", message: text.clone() });
+                    }
+                    set_condition(&mut status, SCHEDULED, "False", "UnschedulableAtMinimum", &text, now);
+                } else if waited < plan.fallback_after {
+                    set_condition(&mut status, SCHEDULED, "False", "Unschedulable", &wait, now);
+                    decision.requeue = Some(plan.fallback_after - waited);
+                } else {
+                    let to = plan.step_down(request);
+                    let reason = format!("pod {} {wait}", pod.name);
+                    decision.notes.push(Note {
+                        warning: false,
+                        reason: "SteppedDown",
+                        message: format!("{request} -> {to} MiB: {reason}"),
+                    });
+                    status.steps.push(Step { at: Time(now), from_mib: request, to_mib: to, reason });
+                    decision.delete.push(pod.clone());
+                    request = to;
+                    let next = pod_name(name, request);
+                    status.request_mib = Some(request);
+                    status.phase = Some(Phase::Pending);
+                    status.pod = Some(next.clone());
+                    status.node = None;
+                    status.gpus = None;
+                    decision.notes.push(Note {
+                        warning: false,
+                        reason: "CreatedPod",
+                        message: format!("pod {next} asks for {request} MiB of GPU memory"),
+                    });
+                    decision.create = Some(next);
+                    set_condition(&mut status, SCHEDULED, "False", "SteppedDown",
+                        &format!("stepped down to {request} MiB; waiting for kube-scheduler"), now);
+                }
+            } else {
+                set_condition(&mut status, SCHEDULED, "False", "Pending", "waiting for kube-scheduler", now);
+            }
+        }
+    }
+    decision.status = status;
+    decision
+}
+
+fn has_condition(status: &GpuClaimStatus, type_: &str, value: &str, message: &str) -> bool {
+    status
+        .conditions
+        .iter()
+        .any(|c| c.type_ == type_ && c.status == value && c.message == message)
+}
+
+fn has_reason(status: &GpuClaimStatus, type_: &str, reason: &str) -> bool {
+    status.conditions.iter().any(|c| c.type_ == type_ && c.reason == reason)
+}
+
+/// Sets a condition; its transition time moves only when its status does.
+fn set_condition(
+    status: &mut GpuClaimStatus,
+    type_: &str,
+    value: &str,
+    reason: &str,
+    message: &str,
+    now: Timestamp,
+) {
+    let entry = Condition {
+        type_: type_.to_string(),
+        status: value.to_string(),
+        last_transition_time: Time(now),
+        reason: reason.to_string(),
+        message: message.to_string(),
+    };
+    match status.conditions.iter_mut().find(|c| c.type_ == type_) {
+        Some(c) => {
+            let since = if c.status == value { c.last_transition_time.clone() } else { Time(now) };
+            *c = Condition { last_transition_time: since, ..entry };
+        }
+        None => status.conditions.push(entry),
+    }
+}
+
+/// The pod the claim runs at `request_mib`: the template, with `nvidia.com/gpu-mem` on its first
+/// container (in units of `unit_mib`, rounded up), the annotations the scorer reads, the claim's
+/// labels and the claim as its controlling owner (the garbage collector deletes it with the claim).
+pub fn build_pod(claim: &GpuClaim, plan: &Plan, request_mib: u64, unit_mib: u64) -> Pod {
+    let name = claim.metadata.name.clone().unwrap_or_default();
+    let template = plan.template.clone();
+    let mut meta = template.metadata.unwrap_or_default();
+    let labels = meta.labels.get_or_insert_with(BTreeMap::new);
+    labels.insert(CLAIM_LABEL.to_string(), name.clone());
+    labels.insert(REQUEST_LABEL.to_string(), request_mib.to_string());
+    let annotations = meta.annotations.get_or_insert_with(BTreeMap::new);
+    if !plan.models.is_empty() {
+        annotations.insert(GPU_MODELS_ANNOTATION.to_string(), plan.models.join(", "));
+    }
+    if plan.preemptible {
+        annotations.insert(PREEMPTIBLE_KEY.to_string(), "true".to_string());
+    }
+    if let Some(class) = plan.class {
+        annotations.insert(WORKLOAD_CLASS_KEY.to_string(), class.as_str().to_string());
+    }
+    let mut spec = template.spec.unwrap_or_default();
+    let units = request_mib.div_ceil(unit_mib.max(1));
+    if let Some(first) = spec.containers.first_mut() {
+        set_gpu_memory(first, units);
+    }
+    Pod {
+        metadata: ObjectMeta {
+            name: Some(pod_name(&name, request_mib)),
+            namespace: claim.metadata.namespace.clone(),
+            owner_references: Some(vec![OwnerReference {
+                api_version: "gpumem.io/v1alpha1".to_string(),
+                kind: "GPUClaim".to_string(),
+                name,
+                uid: claim.metadata.uid.clone().unwrap_or_default(),
+                controller: Some(true),
+                block_owner_deletion: Some(true),
+            }]),
+            generate_name: None,
+            ..meta
+        },
+        spec: Some(spec),
+        status: None,
+    }
+}
+
+fn set_gpu_memory(container: &mut Container, units: u64) {
+    let resources = container.resources.get_or_insert_with(ResourceRequirements::default);
+    for map in [&mut resources.limits, &mut resources.requests] {
+        map.get_or_insert_with(BTreeMap::new)
+            .insert(GPU_MEM_RESOURCE.to_string(), Quantity(units.to_string()));
+    }
+}
