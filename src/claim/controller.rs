@@ -10,12 +10,12 @@ use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{DeleteParams, ListParams, PostParams, Preconditions};
 use kube::runtime::controller::{Action, Controller};
-use prometheus_client::metrics::counter::Counter;
-use prometheus_client::metrics::gauge::Gauge;
-use prometheus_client::registry::Registry;
 use kube::runtime::events::{Event, EventType, Recorder};
 use kube::runtime::watcher;
 use kube::{Api, Client, Resource as _, ResourceExt as _};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
 use tokio_stream::StreamExt as _;
 
 use super::policy::{self, CLAIM_LABEL, Decision, Plan, PodView};
@@ -45,9 +45,21 @@ impl Counts {
     pub fn registry(&self) -> Registry {
         let mut registry = Registry::with_prefix("gpumem_claim");
         registry.register("steps", "Steps down of a claim's request", self.steps.clone());
-        registry.register("pods_created", "Pods created for claims", self.pods_created.clone());
-        registry.register("reconcile_errors", "Reconciliations that failed and were retried", self.errors.clone());
-        registry.register("leading", "1 while this replica is the leader", self.leading.clone());
+        registry.register(
+            "pods_created",
+            "Pods created for claims",
+            self.pods_created.clone(),
+        );
+        registry.register(
+            "reconcile_errors",
+            "Reconciliations that failed and were retried",
+            self.errors.clone(),
+        );
+        registry.register(
+            "leading",
+            "1 while this replica is the leader",
+            self.leading.clone(),
+        );
         registry
     }
 }
@@ -65,7 +77,11 @@ pub enum ReconcileError {
 
 fn api_error(action: &'static str, object: impl Into<String>) -> impl FnOnce(kube::Error) -> ReconcileError {
     let object = object.into();
-    move |source| ReconcileError::Api { action, object, source }
+    move |source| ReconcileError::Api {
+        action,
+        object,
+        source,
+    }
 }
 
 fn is_status(e: &kube::Error, code: u16) -> bool {
@@ -111,7 +127,11 @@ async fn reconcile(claim: Arc<GpuClaim>, ctx: Arc<Context>) -> Result<Action, Re
         .items
         .iter()
         // Only the pods this claim created: a label alone can be copied.
-        .filter(|p| p.owner_references().iter().any(|o| o.controller == Some(true) && o.uid == uid))
+        .filter(|p| {
+            p.owner_references()
+                .iter()
+                .any(|o| o.controller == Some(true) && o.uid == uid)
+        })
         .map(PodView::from_pod)
         .collect();
     let plan = Plan::from_claim(&claim);
@@ -144,11 +164,15 @@ async fn carry_out(
     }
     let stepped = decision.status.steps.len() > claim.status.as_ref().map_or(0, |s| s.steps.len());
     if claim.status.as_ref() != Some(&decision.status) {
-        let claims: Api<GpuClaim> = Api::namespaced(ctx.client.clone(), &claim.namespace().unwrap_or_default());
+        let claims: Api<GpuClaim> =
+            Api::namespaced(ctx.client.clone(), &claim.namespace().unwrap_or_default());
         // The claim as read, resourceVersion included: a claim changed meanwhile is a 409.
         let mut updated = claim.clone();
         updated.status = Some(decision.status.clone());
-        match claims.replace_status(&claim.name_any(), &PostParams::default(), &updated).await {
+        match claims
+            .replace_status(&claim.name_any(), &PostParams::default(), &updated)
+            .await
+        {
             Ok(_) => {}
             Err(e) if is_status(&e, 409) || is_status(&e, 404) => {
                 return Ok(Action::requeue(Duration::from_secs(1)));
@@ -169,7 +193,9 @@ async fn carry_out(
             }
             Err(e) if is_status(&e, 409) => {}
             // The API server refused the template (a bad field, a quota): say so on the claim.
-            Err(kube::Error::Api(status)) if status.code == 422 || status.code == 403 || status.code == 400 => {
+            Err(kube::Error::Api(status))
+                if status.code == 422 || status.code == 403 || status.code == 400 =>
+            {
                 let message = format!("creating pod {name}: {}", status.message);
                 publish(ctx, claim, true, "PodRefused", &message).await;
                 return Ok(Action::requeue(Duration::from_secs(30)));
@@ -180,13 +206,19 @@ async fn carry_out(
     for note in &decision.notes {
         publish(ctx, claim, note.warning, note.reason, &note.message).await;
     }
-    Ok(decision.requeue.map_or_else(Action::await_change, Action::requeue))
+    Ok(decision
+        .requeue
+        .map_or_else(Action::await_change, Action::requeue))
 }
 
 /// An Event on the claim (`kubectl describe gpuclaim` lists them); a failure is only logged.
 async fn publish(ctx: &Context, claim: &GpuClaim, warning: bool, reason: &str, message: &str) {
     let event = Event {
-        type_: if warning { EventType::Warning } else { EventType::Normal },
+        type_: if warning {
+            EventType::Warning
+        } else {
+            EventType::Normal
+        },
         reason: reason.to_string(),
         // The Events API takes at most 1 kB of note.
         note: Some(truncate(message, 1000).to_string()),

@@ -43,7 +43,11 @@ fn taken(spec: &LeaseSpec, election: &Election, now: Timestamp) -> LeaseSpec {
     LeaseSpec {
         holder_identity: Some(election.identity.clone()),
         lease_duration_seconds: Some(i32::try_from(election.duration.as_secs()).unwrap_or(i32::MAX)),
-        acquire_time: if ours { spec.acquire_time.clone() } else { Some(MicroTime(now)) },
+        acquire_time: if ours {
+            spec.acquire_time.clone()
+        } else {
+            Some(MicroTime(now))
+        },
         renew_time: Some(MicroTime(now)),
         lease_transitions: Some(spec.lease_transitions.unwrap_or(0) + i32::from(!ours)),
         ..spec.clone()
@@ -79,7 +83,10 @@ pub async fn try_take(api: &Api<Lease>, election: &Election) -> kube::Result<boo
                 spec: Some(taken(&spec, election, now)),
                 ..lease
             };
-            match api.replace(&election.name, &PostParams::default(), &updated).await {
+            match api
+                .replace(&election.name, &PostParams::default(), &updated)
+                .await
+            {
                 Ok(_) => Ok(true),
                 Err(kube::Error::Api(e)) if e.code == 409 => Ok(false),
                 Err(e) => Err(e),
@@ -146,7 +153,10 @@ pub async fn release(api: &Api<Lease>, election: &Election) {
         }),
         ..lease
     };
-    if let Err(e) = api.replace(&election.name, &PostParams::default(), &released).await {
+    if let Err(e) = api
+        .replace(&election.name, &PostParams::default(), &released)
+        .await
+    {
         tracing::warn!(lease = %election.name, "releasing the lease: {e}");
     }
 }
@@ -172,9 +182,15 @@ mod tests {
         assert!(may_take(&spec(Some(""), Some(1), 15, now), "a", now));
         assert!(may_take(&spec(Some("a"), Some(1), 15, now), "a", now));
         assert!(!may_take(&spec(Some("b"), Some(1), 15, now), "a", now));
-        assert!(!may_take(&spec(Some("b"), Some(15), 15, now), "a", now), "expires after, not at, its duration");
+        assert!(
+            !may_take(&spec(Some("b"), Some(15), 15, now), "a", now),
+            "expires after, not at, its duration"
+        );
         assert!(may_take(&spec(Some("b"), Some(16), 15, now), "a", now));
-        assert!(may_take(&spec(Some("b"), None, 15, now), "a", now), "never renewed");
+        assert!(
+            may_take(&spec(Some("b"), None, 15, now), "a", now),
+            "never renewed"
+        );
     }
 
     #[test]

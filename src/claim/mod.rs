@@ -85,7 +85,8 @@ fn run_controller(args: &ControllerArgs) -> anyhow::Result<()> {
         args.mem_unit_mib
     );
     crate::names::check_subdomain(&args.lease_name).map_err(|e| anyhow::anyhow!("--lease-name: {e}"))?;
-    crate::names::check_label(&args.lease_namespace).map_err(|e| anyhow::anyhow!("--lease-namespace: {e}"))?;
+    crate::names::check_label(&args.lease_namespace)
+        .map_err(|e| anyhow::anyhow!("--lease-namespace: {e}"))?;
     let identity = match &args.identity {
         Some(id) if !id.is_empty() => id.clone(),
         _ => format!("gpumem-claims-{}", std::process::id()),

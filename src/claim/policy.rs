@@ -98,9 +98,10 @@ impl Plan {
         if let Some(name) = claim.metadata.name.as_deref() {
             // The pods carry the claim's name as a label value: at most 63 characters.
             if name.len() > 63 {
-                problems.push(format!(
+                problems.push(
                     "the claim's name is longer than 63 characters, so its pods cannot be labelled with it"
-                ));
+                        .to_string(),
+                );
             }
             let longest = pod_name(name, spec.gpu_mem_mib);
             if let Err(e) = crate::names::check_subdomain(&longest) {
@@ -142,11 +143,16 @@ fn check_template(t: PodTemplateSpec, problems: &mut Vec<String>) -> PodTemplate
     match t.spec.as_ref().map(|s| s.containers.as_slice()) {
         None | Some([]) => problems.push("template.spec has no containers".to_string()),
         Some(containers) => {
-            let asks_whole = containers.iter().chain(t.spec.iter().flat_map(|s| s.init_containers.iter().flatten())).any(|c| {
-                let r = c.resources.as_ref();
-                let has = |m: Option<&BTreeMap<String, Quantity>>| m.is_some_and(|m| m.contains_key(GPU_RESOURCE));
-                has(r.and_then(|r| r.limits.as_ref())) || has(r.and_then(|r| r.requests.as_ref()))
-            });
+            let asks_whole = containers
+                .iter()
+                .chain(t.spec.iter().flat_map(|s| s.init_containers.iter().flatten()))
+                .any(|c| {
+                    let r = c.resources.as_ref();
+                    let has = |m: Option<&BTreeMap<String, Quantity>>| {
+                        m.is_some_and(|m| m.contains_key(GPU_RESOURCE))
+                    };
+                    has(r.and_then(|r| r.limits.as_ref())) || has(r.and_then(|r| r.requests.as_ref()))
+                });
             if asks_whole {
                 problems.push(format!(
                     "template asks for {GPU_RESOURCE}: a claim asks for GPU memory only (the claim sets {GPU_MEM_RESOURCE})"
@@ -252,12 +258,7 @@ pub struct Decision {
 }
 
 /// Decides for `claim`, whose spec checked to `plan` (or did not), given its pods.
-pub fn decide(
-    claim: &GpuClaim,
-    plan: &Result<Plan, String>,
-    pods: &[PodView],
-    now: Timestamp,
-) -> Decision {
+pub fn decide(claim: &GpuClaim, plan: &Result<Plan, String>, pods: &[PodView], now: Timestamp) -> Decision {
     let old = claim.status.clone().unwrap_or_default();
     let mut status = old.clone();
     status.observed_generation = claim.metadata.generation;
@@ -272,8 +273,7 @@ pub fn decide(
     let plan = match plan {
         Ok(plan) => plan,
         Err(problems) => {
-            if old.phase != Some(Phase::Invalid) || !has_condition(&old, VALID, "False", problems)
-            {
+            if old.phase != Some(Phase::Invalid) || !has_condition(&old, VALID, "False", problems) {
                 decision.notes.push(Note {
                     warning: true,
                     reason: "InvalidSpec",
@@ -288,7 +288,14 @@ pub fn decide(
             return decision;
         }
     };
-    set_condition(&mut status, VALID, "True", "Valid", "the spec can be acted on", now);
+    set_condition(
+        &mut status,
+        VALID,
+        "True",
+        "Valid",
+        "the spec can be acted on",
+        now,
+    );
     status.min_mib = Some(plan.min_mib);
     let mut request = plan.request_mib(&old);
     status.request_mib = Some(request);
@@ -325,10 +332,20 @@ pub fn decide(
                 decision.notes.push(Note {
                     warning: false,
                     reason: "CreatedPod",
-                    message: format!("pod {} asks for {request} MiB of GPU memory", pod_name(name, request)),
+                    message: format!(
+                        "pod {} asks for {request} MiB of GPU memory",
+                        pod_name(name, request)
+                    ),
                 });
             }
-            set_condition(&mut status, SCHEDULED, "False", "PodCreated", "waiting for kube-scheduler", now);
+            set_condition(
+                &mut status,
+                SCHEDULED,
+                "False",
+                "PodCreated",
+                "waiting for kube-scheduler",
+                now,
+            );
         }
         Some(pod) => {
             status.pod = Some(pod.name.clone());
@@ -341,7 +358,11 @@ pub fn decide(
                 _ => Phase::Pending,
             });
             if let Some(node) = &pod.node {
-                let gpus = pod.gpus.as_deref().map(|g| format!(", GPUs {g}")).unwrap_or_default();
+                let gpus = pod
+                    .gpus
+                    .as_deref()
+                    .map(|g| format!(", GPUs {g}"))
+                    .unwrap_or_default();
                 set_condition(
                     &mut status,
                     SCHEDULED,
@@ -361,14 +382,31 @@ pub fn decide(
                     set_condition(&mut status, SCHEDULED, "False", "Preempting", &wait, now);
                     decision.requeue = Some(plan.fallback_after.max(Duration::from_secs(1)));
                 } else if !lacks_gpu_memory(message) {
-                    set_condition(&mut status, SCHEDULED, "False", "Unschedulable",
-                        &format!("{wait} (not for GPU memory: the claim does not step down)"), now);
+                    set_condition(
+                        &mut status,
+                        SCHEDULED,
+                        "False",
+                        "Unschedulable",
+                        &format!("{wait} (not for GPU memory: the claim does not step down)"),
+                        now,
+                    );
                 } else if request <= plan.min_mib {
                     let text = format!("at its minimum of {} MiB, {wait}", plan.min_mib);
                     if !has_reason(&old, SCHEDULED, "UnschedulableAtMinimum") {
-                        decision.notes.push(Note { warning: true, reason: "AtMinimum", message: text.clone() });
+                        decision.notes.push(Note {
+                            warning: true,
+                            reason: "AtMinimum",
+                            message: text.clone(),
+                        });
                     }
-                    set_condition(&mut status, SCHEDULED, "False", "UnschedulableAtMinimum", &text, now);
+                    set_condition(
+                        &mut status,
+                        SCHEDULED,
+                        "False",
+                        "UnschedulableAtMinimum",
+                        &text,
+                        now,
+                    );
                 } else if waited < plan.fallback_after {
                     set_condition(&mut status, SCHEDULED, "False", "Unschedulable", &wait, now);
                     decision.requeue = Some(plan.fallback_after - waited);
@@ -380,7 +418,12 @@ pub fn decide(
                         reason: "SteppedDown",
                         message: format!("{request} -> {to} MiB: {reason}"),
                     });
-                    status.steps.push(Step { at: Time(now), from_mib: request, to_mib: to, reason });
+                    status.steps.push(Step {
+                        at: Time(now),
+                        from_mib: request,
+                        to_mib: to,
+                        reason,
+                    });
                     decision.delete.push(pod.clone());
                     request = to;
                     let next = pod_name(name, request);
@@ -395,11 +438,24 @@ pub fn decide(
                         message: format!("pod {next} asks for {request} MiB of GPU memory"),
                     });
                     decision.create = Some(next);
-                    set_condition(&mut status, SCHEDULED, "False", "SteppedDown",
-                        &format!("stepped down to {request} MiB; waiting for kube-scheduler"), now);
+                    set_condition(
+                        &mut status,
+                        SCHEDULED,
+                        "False",
+                        "SteppedDown",
+                        &format!("stepped down to {request} MiB; waiting for kube-scheduler"),
+                        now,
+                    );
                 }
             } else {
-                set_condition(&mut status, SCHEDULED, "False", "Pending", "waiting for kube-scheduler", now);
+                set_condition(
+                    &mut status,
+                    SCHEDULED,
+                    "False",
+                    "Pending",
+                    "waiting for kube-scheduler",
+                    now,
+                );
             }
         }
     }
@@ -415,7 +471,10 @@ fn has_condition(status: &GpuClaimStatus, type_: &str, value: &str, message: &st
 }
 
 fn has_reason(status: &GpuClaimStatus, type_: &str, reason: &str) -> bool {
-    status.conditions.iter().any(|c| c.type_ == type_ && c.reason == reason)
+    status
+        .conditions
+        .iter()
+        .any(|c| c.type_ == type_ && c.reason == reason)
 }
 
 /// Sets a condition; its transition time moves only when its status does.
@@ -436,8 +495,15 @@ fn set_condition(
     };
     match status.conditions.iter_mut().find(|c| c.type_ == type_) {
         Some(c) => {
-            let since = if c.status == value { c.last_transition_time.clone() } else { Time(now) };
-            *c = Condition { last_transition_time: since, ..entry };
+            let since = if c.status == value {
+                c.last_transition_time.clone()
+            } else {
+                Time(now)
+            };
+            *c = Condition {
+                last_transition_time: since,
+                ..entry
+            };
         }
         None => status.conditions.push(entry),
     }
@@ -489,9 +555,324 @@ pub fn build_pod(claim: &GpuClaim, plan: &Plan, request_mib: u64, unit_mib: u64)
 }
 
 fn set_gpu_memory(container: &mut Container, units: u64) {
-    let resources = container.resources.get_or_insert_with(ResourceRequirements::default);
+    let resources = container
+        .resources
+        .get_or_insert_with(ResourceRequirements::default);
     for map in [&mut resources.limits, &mut resources.requests] {
         map.get_or_insert_with(BTreeMap::new)
             .insert(GPU_MEM_RESOURCE.to_string(), Quantity(units.to_string()));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use k8s_openapi::jiff::SignedDuration;
+    use serde_json::json;
+
+    use super::super::resource::GpuClaimSpec;
+    use super::*;
+
+    fn claim(spec: serde_json::Value) -> GpuClaim {
+        let mut full = json!({
+            "apiVersion": "gpumem.io/v1alpha1", "kind": "GPUClaim",
+            "metadata": {"name": "train", "namespace": "ml", "uid": "u-1", "generation": 1},
+            "spec": {"gpuMemMiB": 20000, "minGpuMemMiB": 8000, "fallbackAfter": "5s",
+                     "template": {"spec": {"containers": [{"name": "main", "image": "busybox"}]}}},
+        });
+        for (k, v) in spec.as_object().expect("an object") {
+            full["spec"][k] = v.clone();
+        }
+        serde_json::from_value(full).expect("a claim")
+    }
+
+    fn at(secs: i64) -> Timestamp {
+        Timestamp::UNIX_EPOCH
+            .checked_add(SignedDuration::from_secs(1_000_000 + secs))
+            .expect("in range")
+    }
+
+    fn pending(name: &str, request: u64, created: i64, message: Option<&str>) -> PodView {
+        PodView {
+            name: name.into(),
+            uid: format!("uid-{name}"),
+            resource_version: "7".into(),
+            request_mib: Some(request),
+            created: Some(at(created)),
+            terminating: false,
+            phase: "Pending".into(),
+            node: None,
+            nominated_node: None,
+            gpus: None,
+            unschedulable: message.map(str::to_string),
+        }
+    }
+
+    /// The claim after `decision` was carried out.
+    fn applied(mut claim: GpuClaim, decision: &Decision) -> GpuClaim {
+        claim.status = Some(decision.status.clone());
+        claim
+    }
+
+    const NO_ROOM: &str = "0/3 nodes are available: 1 largest free GPU has 15360 MiB, pod needs 20000 MiB, \
+                           2 node(s) had untolerated taint {harness.local/fake-node: true}.";
+
+    #[test]
+    fn a_new_claim_creates_its_pod_at_the_full_request() {
+        let c = claim(json!({}));
+        let plan = Plan::from_claim(&c);
+        let d = decide(&c, &plan, &[], at(0));
+        assert_eq!(d.create.as_deref(), Some("train-20000mib"));
+        assert_eq!(d.status.request_mib, Some(20000));
+        assert_eq!(d.status.min_mib, Some(8000));
+        assert_eq!(d.status.phase, Some(Phase::Pending));
+        assert!(d.delete.is_empty());
+        let pod = build_pod(&c, plan.as_ref().expect("valid"), 20000, 1);
+        let limits = pod.spec.as_ref().expect("spec").containers[0]
+            .resources
+            .as_ref()
+            .expect("resources");
+        assert_eq!(
+            limits.limits.as_ref().expect("limits")[GPU_MEM_RESOURCE],
+            Quantity("20000".into())
+        );
+        assert_eq!(
+            limits.requests.as_ref().expect("requests")[GPU_MEM_RESOURCE],
+            Quantity("20000".into())
+        );
+        let owner = &pod.metadata.owner_references.as_ref().expect("owner")[0];
+        assert_eq!(
+            (owner.kind.as_str(), owner.uid.as_str(), owner.controller),
+            ("GPUClaim", "u-1", Some(true))
+        );
+        assert_eq!(
+            pod.metadata.labels.as_ref().expect("labels")[CLAIM_LABEL],
+            "train"
+        );
+    }
+
+    #[test]
+    fn it_steps_down_by_the_step_only_after_fallback_after_and_never_below_the_minimum() {
+        let c = claim(json!({"gpuMemMiB": 9500}));
+        let plan = Plan::from_claim(&c);
+        let c = applied(c.clone(), &decide(&c, &plan, &[], at(0)));
+        let pod = pending("train-9500mib", 9500, 0, Some(NO_ROOM));
+        // Too early: wait, and look again when the time is up.
+        let d = decide(&c, &plan, std::slice::from_ref(&pod), at(3));
+        assert_eq!((d.create.as_deref(), d.delete.len()), (None, 0));
+        assert_eq!(d.requeue, Some(Duration::from_secs(2)));
+        // Time is up: replace the pod one step lower, recorded in the history.
+        let d = decide(&c, &plan, std::slice::from_ref(&pod), at(5));
+        assert_eq!(d.delete, vec![pod.clone()]);
+        assert_eq!(d.create.as_deref(), Some("train-8500mib"));
+        assert_eq!(d.status.request_mib, Some(8500));
+        assert_eq!(d.status.steps.len(), 1);
+        assert_eq!(
+            (d.status.steps[0].from_mib, d.status.steps[0].to_mib),
+            (9500, 8500)
+        );
+        assert!(
+            d.status.steps[0].reason.contains("pod needs 20000 MiB"),
+            "{:?}",
+            d.status.steps[0]
+        );
+        assert!(
+            d.notes
+                .iter()
+                .any(|n| n.reason == "SteppedDown" && n.message.starts_with("9500 -> 8500 MiB"))
+        );
+        // The next step stops at the minimum, not at 7500.
+        let c = applied(c, &d);
+        let pod = pending("train-8500mib", 8500, 10, Some(NO_ROOM));
+        let d = decide(&c, &plan, std::slice::from_ref(&pod), at(16));
+        assert_eq!(d.status.request_mib, Some(8000));
+        assert_eq!(d.create.as_deref(), Some("train-8000mib"));
+        // At the minimum it stays, and says so (once as an event, always as a condition).
+        let c = applied(c, &d);
+        let pod = pending("train-8000mib", 8000, 20, Some(NO_ROOM));
+        let d = decide(&c, &plan, std::slice::from_ref(&pod), at(600));
+        assert_eq!((d.create.as_deref(), d.delete.len()), (None, 0));
+        let cond = d
+            .status
+            .conditions
+            .iter()
+            .find(|c| c.type_ == SCHEDULED)
+            .expect("condition");
+        assert_eq!(
+            (cond.status.as_str(), cond.reason.as_str()),
+            ("False", "UnschedulableAtMinimum")
+        );
+        assert!(cond.message.contains("minimum of 8000 MiB"), "{}", cond.message);
+        assert!(d.notes.iter().any(|n| n.warning && n.reason == "AtMinimum"));
+        let c = applied(c, &d);
+        let d = decide(&c, &plan, std::slice::from_ref(&pod), at(700));
+        assert!(d.notes.is_empty(), "said once: {:?}", d.notes);
+        assert_eq!(d.status.steps.len(), 2);
+    }
+
+    #[test]
+    fn it_does_not_step_down_for_a_reason_a_smaller_request_would_not_cure_or_while_preempting() {
+        let c = claim(json!({}));
+        let plan = Plan::from_claim(&c);
+        let c = applied(c.clone(), &decide(&c, &plan, &[], at(0)));
+        let taint = "0/1 nodes are available: 1 node(s) had untolerated taint {dedicated: infra}.";
+        let pod = pending("train-20000mib", 20000, 0, Some(taint));
+        let d = decide(&c, &plan, std::slice::from_ref(&pod), at(3600));
+        assert_eq!((d.create.as_deref(), d.status.request_mib), (None, Some(20000)));
+        assert!(
+            d.status
+                .conditions
+                .iter()
+                .any(|c| c.message.contains("not for GPU memory"))
+        );
+        let mut nominated = pending("train-20000mib", 20000, 0, Some(NO_ROOM));
+        nominated.nominated_node = Some("n1".into());
+        let d = decide(&c, &plan, &[nominated], at(3600));
+        assert_eq!((d.create.as_deref(), d.status.request_mib), (None, Some(20000)));
+        assert!(d.status.conditions.iter().any(|c| c.reason == "Preempting"));
+        // The API server's own resource-fit message counts as GPU memory.
+        assert!(lacks_gpu_memory(
+            "0/1 nodes are available: 1 Insufficient nvidia.com/gpu-mem."
+        ));
+    }
+
+    #[test]
+    fn a_bound_pod_is_recorded_and_an_ended_claim_creates_nothing_more() {
+        let c = claim(json!({}));
+        let plan = Plan::from_claim(&c);
+        let c = applied(c.clone(), &decide(&c, &plan, &[], at(0)));
+        let mut pod = pending("train-20000mib", 20000, 0, None);
+        pod.phase = "Running".into();
+        pod.node = Some("gpu-node-1".into());
+        pod.gpus = Some("GPU-2".into());
+        let d = decide(&c, &plan, std::slice::from_ref(&pod), at(1));
+        assert_eq!(d.status.phase, Some(Phase::Running));
+        assert_eq!(
+            (d.status.node.as_deref(), d.status.gpus.as_deref()),
+            (Some("gpu-node-1"), Some("GPU-2"))
+        );
+        let cond = d
+            .status
+            .conditions
+            .iter()
+            .find(|c| c.type_ == SCHEDULED)
+            .expect("condition");
+        assert_eq!((cond.status.as_str(), cond.reason.as_str()), ("True", "Bound"));
+        pod.phase = "Succeeded".into();
+        let c = applied(c.clone(), &decide(&c, &plan, std::slice::from_ref(&pod), at(2)));
+        assert_eq!(c.status.as_ref().and_then(|s| s.phase), Some(Phase::Succeeded));
+        // Its pod gone (cleaned up by someone), a finished claim does not start again.
+        let d = decide(&c, &plan, &[], at(3));
+        assert_eq!(
+            (d.create.as_deref(), d.status.phase),
+            (None, Some(Phase::Succeeded))
+        );
+    }
+
+    #[test]
+    fn a_restart_between_steps_converges_on_the_status() {
+        // Status written at 19000, the old pod already deleted, the new one never created.
+        let mut c = claim(json!({}));
+        c.status = Some(GpuClaimStatus {
+            request_mib: Some(19000),
+            ..GpuClaimStatus::default()
+        });
+        let plan = Plan::from_claim(&c);
+        let d = decide(&c, &plan, &[], at(0));
+        assert_eq!(d.create.as_deref(), Some("train-19000mib"));
+        // A pod of another request (a crash before its deletion, or an edited status) goes first.
+        let stale = pending("train-20000mib", 20000, 0, None);
+        let d = decide(&c, &plan, std::slice::from_ref(&stale), at(0));
+        assert_eq!(d.delete, vec![stale]);
+        assert_eq!(d.create.as_deref(), Some("train-19000mib"));
+        // A pod of the same name still terminating: wait for it.
+        let mut going = pending("train-19000mib", 19000, 0, None);
+        going.terminating = true;
+        let d = decide(&c, &plan, &[going], at(0));
+        assert_eq!(
+            (d.create.as_deref(), d.requeue),
+            (None, Some(Duration::from_secs(2)))
+        );
+    }
+
+    #[test]
+    fn a_spec_that_cannot_be_acted_on_says_why_and_creates_nothing() {
+        let cases = [
+            (json!({"minGpuMemMiB": 30000}), "minGpuMemMiB 30000"),
+            (json!({"fallbackAfter": "soon"}), "fallbackAfter \"soon\""),
+            (json!({"fallbackAfter": "-5m"}), "negative"),
+            (json!({"gpuModels": ["Tesla T4, A100"]}), "without commas"),
+            (json!({"template": {"spec": {"containers": []}}}), "no containers"),
+            (
+                json!({"template": {"spec": {"containers": "x"}}}),
+                "not a pod template",
+            ),
+            (
+                json!({"template": {"spec": {"containers": [{"name": "m", "resources": {"limits": {"nvidia.com/gpu": "1"}}}]}}}),
+                "asks for nvidia.com/gpu",
+            ),
+        ];
+        for (spec, expected) in cases {
+            let c = claim(spec.clone());
+            let plan = Plan::from_claim(&c);
+            let problems = plan.as_ref().expect_err("invalid");
+            assert!(problems.contains(expected), "{spec}: {problems}");
+            let d = decide(&c, &plan, &[], at(0));
+            assert_eq!(
+                (d.create.as_deref(), d.status.phase),
+                (None, Some(Phase::Invalid)),
+                "{spec}"
+            );
+            assert!(d.notes.iter().any(|n| n.warning && n.reason == "InvalidSpec"));
+        }
+        let mut long = claim(json!({}));
+        long.metadata.name = Some("x".repeat(64));
+        assert!(
+            Plan::from_claim(&long)
+                .expect_err("too long")
+                .contains("63 characters")
+        );
+    }
+
+    #[test]
+    fn defaults_follow_the_users_rule_and_the_unit_rounds_up() {
+        let spec: GpuClaimSpec = serde_json::from_value(json!({
+            "gpuMemMiB": 6000, "template": {"spec": {"containers": [{"name": "m"}]}}}))
+        .expect("spec");
+        assert_eq!((spec.step_mib, spec.fallback_after.as_str()), (1000, "5m"));
+        let mut c = claim(json!({}));
+        c.spec = spec;
+        let plan = Plan::from_claim(&c).expect("valid");
+        assert_eq!(
+            (plan.min_mib, plan.fallback_after),
+            (4000, Duration::from_secs(300))
+        );
+        let mut small = c.clone();
+        small.spec.gpu_mem_mib = 3000;
+        assert_eq!(
+            Plan::from_claim(&small).expect("valid").min_mib,
+            3000,
+            "never above the request"
+        );
+        let pod = build_pod(&c, &plan, 6001, 4);
+        let resources = pod.spec.as_ref().expect("spec").containers[0]
+            .resources
+            .clone()
+            .expect("resources");
+        assert_eq!(
+            resources.limits.expect("limits")[GPU_MEM_RESOURCE],
+            Quantity("1501".into())
+        );
+        // The scorer's annotations follow the spec.
+        c.spec.gpu_models = vec!["Tesla T4".into(), "Tesla V100-SXM2-32GB".into()];
+        c.spec.preemptible = true;
+        c.spec.workload_class = Some(WorkloadClass::Offline);
+        let plan = Plan::from_claim(&c).expect("valid");
+        let pod = build_pod(&c, &plan, 6000, 1);
+        let a = pod.metadata.annotations.expect("annotations");
+        assert_eq!(a[GPU_MODELS_ANNOTATION], "Tesla T4, Tesla V100-SXM2-32GB");
+        assert_eq!(
+            (a[PREEMPTIBLE_KEY].as_str(), a[WORKLOAD_CLASS_KEY].as_str()),
+            ("true", "offline")
+        );
     }
 }
