@@ -7,7 +7,7 @@
 # For each kubelet of the kit (the stock 1.24 one, which sends the socket path as HTTP/2 :authority,
 # and the one with the 1.26 `localhost` change) it starts a fresh cluster and sets it up as a user
 # would: the project's RBAC from deploy/manifests/base, the agent and the scorer as their service
-# accounts (tokens from `kubectl create token`), certificates from `gpumem certs`, the project's
+# accounts (tokens from `kubectl create token`), the GPUClaim CRD and its controller, certificates from `gpumem certs`, the project's
 # scheduler configuration pointed at the scorer's TLS port with the scheduler's client certificate, the shim where the DaemonSet's init container puts it, the agent on a simulated node through
 # the fake NVML, two API-only nodes carrying what an agent publishes. Then it runs the scenarios of
 # tests/e2e/scenarios.sh and prints `N passed, N failed`.
@@ -40,6 +40,7 @@ PROFILE=mixed # 2 x V100-SXM2-32GB joined by NVLink + 2 x T4, two NUMA nodes
 SCORER_ADDR=127.0.0.1:18888     # probes and metrics
 SCORER_TLS_ADDR=127.0.0.1:18443 # the extender's verbs, for kube-scheduler's client certificate
 AGENT_METRICS=127.0.0.1:19400
+CLAIMS_ADDR=127.0.0.1:18890 # the claim controller's probes and metrics
 PLUGIN_DIR=/var/lib/kubelet/device-plugins
 STATE_DIR=/var/lib/gpumem
 SHIM_DEST=$STATE_DIR/lib # where the DaemonSet's init container installs the shim
@@ -62,6 +63,7 @@ ln -sf "$BIN/libgpumem_fake_nvml.so" "$NVML_DIR/libnvidia-ml.so.1"
 
 AGENT_PID=""
 SCORER_PID=""
+CLAIMS_PID=""
 
 # start_agent: the agent as its DaemonSet runs it, on a simulated node (fake NVML).
 start_agent() {
@@ -103,6 +105,25 @@ stop_scorer() {
   local status=0
   wait "$SCORER_PID" 2> /dev/null || status=$?
   SCORER_PID=""
+  return $status
+}
+
+# start_claims: the claim controller as its Deployment runs it (POD_NAME and POD_NAMESPACE from the
+# downward API: a restarted container keeps its name, so it takes its own Lease back at once).
+start_claims() {
+  KUBECONFIG=$RUN_OUT/claims.kubeconfig POD_NAME=gpumem-claims-e2e POD_NAMESPACE=gpumem-system \
+    RUST_LOG=info,gpumem=debug \
+    "$BIN/gpumem" claims controller --listen "$CLAIMS_ADDR" >> "$RUN_OUT/claims.log" 2>&1 &
+  CLAIMS_PID=$!
+}
+
+# stop_claims [SIGNAL]: TERM by default; returns the exit status.
+stop_claims() {
+  [ -n "$CLAIMS_PID" ] || return 0
+  kill "-${1:-TERM}" "$CLAIMS_PID" 2> /dev/null
+  local status=0
+  wait "$CLAIMS_PID" 2> /dev/null || status=$?
+  CLAIMS_PID=""
   return $status
 }
 
@@ -150,10 +171,11 @@ print(json.dumps({"metadata": {"labels": r["labels"], "annotations": r["annotati
 
 cleanup() {
   if [ "${GPUMEM_E2E_KEEP:-}" == 1 ] && [ -n "${RUN_OUT:-}" ]; then
-    log "kept: the cluster (KUBECONFIG=$ADMIN_KUBECONFIG), agent pid $AGENT_PID, scorer pid $SCORER_PID"
-    AGENT_PID="" SCORER_PID="" RUN_OUT=""
+    log "kept: the cluster (KUBECONFIG=$ADMIN_KUBECONFIG), agent pid $AGENT_PID, scorer pid $SCORER_PID, claim controller pid $CLAIMS_PID"
+    AGENT_PID="" SCORER_PID="" CLAIMS_PID="" RUN_OUT=""
     return
   fi
+  stop_claims
   stop_scorer
   stop_agent
   [ -z "${RUN_OUT:-}" ] || "$KIT/down.sh" > "$RUN_OUT/down.log" 2>&1
@@ -169,7 +191,7 @@ run_cluster() {
   SCENARIO=setup
   log "== [$KUBELET_KIND] cluster up (logs: $RUN_OUT, $K8S_STATE/logs)"
   # A cluster left by an interrupted run would make up.sh refuse to start.
-  pkill -f "$BIN/gpumem (agent|scorer)" # left by a run with GPUMEM_E2E_KEEP=1
+  pkill -f "$BIN/gpumem (agent|scorer|claims)" # left by a run with GPUMEM_E2E_KEEP=1
   "$KIT/down.sh" > /dev/null 2>&1
   CERTS=$RUN_OUT/certs
   "$BIN/gpumem" certs --out "$CERTS" > "$RUN_OUT/certs.log" 2>&1 ||
@@ -189,16 +211,21 @@ run_cluster() {
     mv -f "$SHIM_DEST/.libgpumem_cuda.so.new" "$SHIM_DEST/libgpumem_cuda.so"
   rm -f "$RUN_OUT/nvml-inject.toml"
 
-  # The project's own RBAC; the agent and the scorer run as their service accounts.
-  if ! k apply -f "$ROOT/deploy/manifests/base/namespace.yaml" -f "$ROOT/deploy/manifests/base/agent-rbac.yaml" \
-    -f "$ROOT/deploy/manifests/base/scorer-rbac.yaml" -f "$ROOT/deploy/manifests/base/priorityclasses.yaml" \
+  # The project's own RBAC and CRD; the agent, the scorer and the claim controller run as their
+  # service accounts.
+  local base=$ROOT/deploy/manifests/base
+  if ! k apply -f "$base/namespace.yaml" -f "$base/agent-rbac.yaml" -f "$base/scorer-rbac.yaml" \
+    -f "$base/claims-rbac.yaml" -f "$base/gpuclaim-crd.yaml" -f "$base/priorityclasses.yaml" \
     > "$RUN_OUT/rbac.log" 2>&1; then
-    bad "the shipped RBAC applies" "$(cat "$RUN_OUT/rbac.log")"
+    bad "the shipped RBAC and CRD apply" "$(cat "$RUN_OUT/rbac.log")"
     return
   fi
   service_account_kubeconfig gpumem-agent "$RUN_OUT/agent.kubeconfig" &&
-    service_account_kubeconfig gpumem-scorer "$RUN_OUT/scorer.kubeconfig" ||
+    service_account_kubeconfig gpumem-scorer "$RUN_OUT/scorer.kubeconfig" &&
+    service_account_kubeconfig gpumem-claims "$RUN_OUT/claims.kubeconfig" ||
     { bad "service account tokens" ""; return; }
+  k wait --for condition=established --timeout=30s crd/gpuclaims.gpumem.io > /dev/null ||
+    { bad "the GPUClaim CRD is established" ""; return; }
   k create namespace "$NS" > /dev/null
 
   # API-only nodes with what an agent on an A100 and on a T4 node publishes.
@@ -208,6 +235,7 @@ run_cluster() {
 
   start_scorer
   start_agent
+  start_claims
   for s in ${GPUMEM_E2E_SCENARIOS:-$ALL_SCENARIOS}; do
     "scenario_$s"
   done

@@ -6,7 +6,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::core::v1::{ObjectReference, Pod};
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{DeleteParams, ListParams, PostParams, Preconditions};
 use kube::runtime::controller::{Action, Controller};
@@ -18,7 +18,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 use tokio_stream::StreamExt as _;
 
-use super::policy::{self, CLAIM_LABEL, Decision, Plan, PodView};
+use super::policy::{self, CLAIM_LABEL, Decision, Note, Plan, PodView};
 use super::resource::GpuClaim;
 
 /// What the controller's reconciliations share.
@@ -97,9 +97,14 @@ pub async fn run(ctx: Arc<Context>) {
         .run(reconcile, error_policy, ctx);
     let mut results = std::pin::pin!(results);
     while let Some(result) = results.next().await {
-        // Reconcile errors are logged by error_policy; these are the watches' own (a missing CRD).
-        if let Err(e) = result {
-            tracing::warn!("claim controller: {e}");
+        // Reconcile errors are logged by error_policy; these are the queue's and the watches' own.
+        match result {
+            Ok(_) => {}
+            // A retry or a pod event for a claim just deleted.
+            Err(e @ kube::runtime::controller::Error::ObjectNotFound(_)) => {
+                tracing::debug!("claim controller: {e}")
+            }
+            Err(e) => tracing::warn!("claim controller: {e}"),
         }
     }
 }
@@ -196,37 +201,49 @@ async fn carry_out(
             Err(kube::Error::Api(status))
                 if status.code == 422 || status.code == 403 || status.code == 400 =>
             {
-                let message = format!("creating pod {name}: {}", status.message);
-                publish(ctx, claim, true, "PodRefused", &message).await;
+                let note = Note {
+                    warning: true,
+                    reason: "PodRefused",
+                    message: format!("creating pod {name}: {}", status.message),
+                    pod: Some(name.clone()),
+                };
+                publish(ctx, claim, &note).await;
                 return Ok(Action::requeue(Duration::from_secs(30)));
             }
             Err(e) => return Err(api_error("creating pod", name.clone())(e)),
         }
     }
     for note in &decision.notes {
-        publish(ctx, claim, note.warning, note.reason, &note.message).await;
+        publish(ctx, claim, note).await;
     }
     Ok(decision
         .requeue
         .map_or_else(Action::await_change, Action::requeue))
 }
 
-/// An Event on the claim (`kubectl describe gpuclaim` lists them); a failure is only logged.
-async fn publish(ctx: &Context, claim: &GpuClaim, warning: bool, reason: &str, message: &str) {
+/// An Event on the claim (`kubectl describe gpuclaim` lists them), its pod as the related object; a
+/// failure is only logged.
+async fn publish(ctx: &Context, claim: &GpuClaim, note: &Note) {
     let event = Event {
-        type_: if warning {
+        type_: if note.warning {
             EventType::Warning
         } else {
             EventType::Normal
         },
-        reason: reason.to_string(),
+        reason: note.reason.to_string(),
         // The Events API takes at most 1 kB of note.
-        note: Some(truncate(message, 1000).to_string()),
+        note: Some(truncate(&note.message, 1000).to_string()),
         action: "Reconcile".to_string(),
-        secondary: None,
+        secondary: note.pod.as_ref().map(|name| ObjectReference {
+            api_version: Some("v1".to_string()),
+            kind: Some("Pod".to_string()),
+            name: Some(name.clone()),
+            namespace: claim.namespace(),
+            ..ObjectReference::default()
+        }),
     };
     if let Err(e) = ctx.recorder.publish(&event, &claim.object_ref(&())).await {
-        tracing::warn!(claim = %claim.key(), "event {reason}: {e}");
+        tracing::warn!(claim = %claim.key(), "event {}: {e}", note.reason);
     }
 }
 

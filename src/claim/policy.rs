@@ -240,6 +240,9 @@ pub struct Note {
     pub warning: bool,
     pub reason: &'static str,
     pub message: String,
+    /// The pod it concerns: events about different pods stay apart (the Events API folds events of
+    /// the same reason and objects into one, keeping the first message).
+    pub pod: Option<String>,
 }
 
 /// What the controller does, in this order.
@@ -278,6 +281,7 @@ pub fn decide(claim: &GpuClaim, plan: &Result<Plan, String>, pods: &[PodView], n
                     warning: true,
                     reason: "InvalidSpec",
                     message: problems.clone(),
+                    pod: None,
                 });
             }
             if !old.phase.is_some_and(Phase::is_final) {
@@ -328,15 +332,13 @@ pub fn decide(claim: &GpuClaim, plan: &Result<Plan, String>, pods: &[PodView], n
                 // Its name is still taken: look again shortly.
                 decision.requeue = Some(Duration::from_secs(2));
             } else {
-                decision.create = Some(current_name);
                 decision.notes.push(Note {
                     warning: false,
                     reason: "CreatedPod",
-                    message: format!(
-                        "pod {} asks for {request} MiB of GPU memory",
-                        pod_name(name, request)
-                    ),
+                    message: format!("pod {current_name} asks for {request} MiB of GPU memory"),
+                    pod: Some(current_name.clone()),
                 });
+                decision.create = Some(current_name);
             }
             set_condition(
                 &mut status,
@@ -397,6 +399,7 @@ pub fn decide(claim: &GpuClaim, plan: &Result<Plan, String>, pods: &[PodView], n
                             warning: true,
                             reason: "AtMinimum",
                             message: text.clone(),
+                            pod: Some(pod.name.clone()),
                         });
                     }
                     set_condition(
@@ -417,6 +420,7 @@ pub fn decide(claim: &GpuClaim, plan: &Result<Plan, String>, pods: &[PodView], n
                         warning: false,
                         reason: "SteppedDown",
                         message: format!("{request} -> {to} MiB: {reason}"),
+                        pod: Some(pod.name.clone()),
                     });
                     status.steps.push(Step {
                         at: Time(now),
@@ -436,6 +440,7 @@ pub fn decide(claim: &GpuClaim, plan: &Result<Plan, String>, pods: &[PodView], n
                         warning: false,
                         reason: "CreatedPod",
                         message: format!("pod {next} asks for {request} MiB of GPU memory"),
+                        pod: Some(next.clone()),
                     });
                     decision.create = Some(next);
                     set_condition(

@@ -3,7 +3,7 @@
 # V100-SXM2-32GB (32768 MiB) joined by NVLink, GPUs 2 and 3 are T4 (15360 MiB); 1 unit = 1 MiB.
 
 ALL_SCENARIOS="registration extender_tls canonical_quantities fragmentation whole_gpus xid multi_node agent_restart \
-kubelet_restart scorer_restart overlays"
+kubelet_restart scorer_restart claims claims_at_minimum claims_failover overlays"
 
 V100_MIB=32768
 T4_MIB=15360
@@ -306,6 +306,140 @@ scenario_scorer_restart() {
   expect_ne "on the other V100: the new scorer knows the first" "$(pod_assigned s-a)" "$(pod_assigned s-b)"
   if has_event s-b FailedScheduling; then bad "it was never refused" "$(pod_events s-b | grep FailedScheduling)"; else ok "it was never refused"; fi
   delete_pods s-a s-b
+  wait_idle
+}
+
+# new_claim NAME MIB MIN FALLBACK [MODELS]: a GPUClaim whose pod sleeps on the real node.
+new_claim() {
+  kn apply -f - > /dev/null <<EOF
+apiVersion: gpumem.io/v1alpha1
+kind: GPUClaim
+metadata: {name: $1}
+spec:
+  gpuMemMiB: $2
+  minGpuMemMiB: $3
+  fallbackAfter: $4
+  gpuModels: [${5:-}]
+  workloadClass: offline
+  template:
+    metadata: {labels: {app: $1}}
+    spec:
+      terminationGracePeriodSeconds: 1
+      nodeSelector: {kubernetes.io/hostname: $REAL_NODE}
+      containers:
+        - name: main
+          image: localhost/busybox:harness
+          imagePullPolicy: Never
+          command: [sleep, "3600"]
+EOF
+}
+
+# claim_jsonpath NAME TEMPLATE; claim_field NAME FIELD (a JSONPath field, braces added).
+claim_jsonpath() { kn get gpuclaim "$1" -o "jsonpath=$2" 2> /dev/null; }
+claim_field() { claim_jsonpath "$1" "{$2}"; }
+claim_phase_is() { [ "$(claim_field "$1" .status.phase)" == "$2" ]; }
+claim_condition() { claim_jsonpath "$1" "{.status.conditions[?(@.type==\"$2\")].$3}"; }
+claim_condition_is() { [ "$(claim_condition "$1" "$2" reason)" == "$3" ]; }
+claim_steps() { claim_jsonpath "$1" '{range .status.steps[*]}{.fromMiB}>{.toMiB} {end}' | sed 's/ $//'; }
+claim_pods() { kn get pods -l "gpumem.io/claim=$1" -o name 2> /dev/null; }
+no_claim_pods() { [ -z "$(claim_pods "$1")" ]; }
+claim_request_at_most() { [ "$(claim_field "$1" .status.requestMiB)" -le "$2" ] 2> /dev/null; }
+pod_gpu_mem_is() { [ "$(pod_field "$1" '.spec.containers[0].resources.limits.nvidia\.com/gpu-mem')" == "$2" ]; }
+
+scenario_claims() {
+  scenario "a GPUClaim steps down until it fits, survives a controller restart, and takes its pod with it"
+  eventually "the claim controller serves (/healthz)" 30 curl -sf "http://$CLAIMS_ADDR/healthz"
+  # 20000 MiB of a T4 (15360 MiB): only a request of 15000 fits, five steps of 1000 down.
+  new_claim c-t4 20000 8000 3s '"Tesla T4"'
+  # (The API server writes the quantity back in its canonical form.)
+  eventually "the claim's first pod asks for 20000 MiB" 10 pod_gpu_mem_is c-t4-20000mib 20k
+  # Mid-way, the controller dies without warning; the one that replaces it goes on from the status.
+  eventually "a first step down (20000 -> 19000)" 30 claim_request_at_most c-t4 19000
+  stop_claims KILL
+  start_claims
+  eventually "after the restart, it steps down to 15000 MiB and runs" 120 claim_phase_is c-t4 Running
+  expect_eq "the request it runs with" 15000 "$(claim_field c-t4 .status.requestMiB)"
+  expect_eq "five steps recorded, 1000 MiB each" "20000>19000 19000>18000 18000>17000 17000>16000 16000>15000" \
+    "$(claim_steps c-t4)"
+  expect_contains "each step says why" "pod needs" "$(claim_field c-t4 '.status.steps[0].reason')"
+  expect_eq "one pod left, at 15000 MiB" "pod/c-t4-15000mib" "$(claim_pods c-t4)"
+  expect_eq "status: where it runs" "$REAL_NODE" "$(claim_field c-t4 .status.node)"
+  expect_eq "status: the GPU the scorer chose" "$(pod_assigned c-t4-15000mib)" "$(claim_field c-t4 .status.gpus)"
+  expect_eq "on a T4" 15360 "$(gpu_query "$REAL_NODE" "by_uuid['$(pod_assigned c-t4-15000mib)']['memoryMiB']" 2> /dev/null)"
+  check_gpu_pod c-t4-15000mib 15000
+  expect_eq "the pod carries the claim's class for the scorer" offline \
+    "$(pod_field c-t4-15000mib '.metadata.annotations.gpumem\.io/workload-class')"
+  local listed described
+  listed=$(kn get gpuclaims)
+  expect_eq "kubectl get gpuclaims: the columns" "NAME MEM MIN PHASE NODE AGE" "$(head -1 <<< "$listed" | tr -s ' ')"
+  expect_contains "kubectl get gpuclaims: the claim's row" "c-t4 15000 8000 Running $REAL_NODE" "$(tr -s ' ' <<< "$listed")"
+  described=$(kn describe gpuclaim c-t4)
+  printf '%s\n' "$listed" "$described" > "$RUN_OUT/claim-c-t4.txt"
+  expect_contains "kubectl describe: the steps" "Steps:" "$described"
+  expect_contains "kubectl describe: the step-down events" "SteppedDown" "$described"
+  expect_contains "kubectl describe: each step its own event" "16000 -> 15000 MiB" "$described"
+  expect_contains "kubectl explain knows the fields" "fallbackAfter" "$(k explain gpuclaim.spec 2>&1)"
+  expect_contains "the API server refuses a claim of 0 MiB" "gpuMemMiB" \
+    "$(kn apply -f - 2>&1 <<EOF
+apiVersion: gpumem.io/v1alpha1
+kind: GPUClaim
+metadata: {name: c-zero}
+spec: {gpuMemMiB: 0, template: {spec: {containers: [{name: m, image: x}]}}}
+EOF
+)"
+  expect_contains "controller metrics: the steps" "gpumem_claim_steps_total" "$(curl -s "http://$CLAIMS_ADDR/metrics")"
+  kn delete gpuclaim c-t4 --wait=true --timeout=30s > /dev/null
+  eventually "deleting the claim deletes its pod" 60 no_claim_pods c-t4
+  wait_idle
+}
+
+scenario_claims_at_minimum() {
+  scenario "a GPUClaim whose minimum fits no GPU stays Pending at its minimum and says so"
+  new_claim c-min 20000 18000 1s '"Tesla T4"'
+  eventually "it steps down to its minimum, no lower" 60 claim_condition_is c-min Scheduled UnschedulableAtMinimum
+  expect_eq "at 18000 MiB" 18000 "$(claim_field c-min .status.requestMiB)"
+  expect_eq "Pending" Pending "$(claim_field c-min .status.phase)"
+  expect_contains "the condition says why" "at its minimum of 18000 MiB" \
+    "$(claim_condition c-min Scheduled message)"
+  sleep 3
+  expect_eq "and stays there" "20000>19000 19000>18000" \
+    "$(claim_steps c-min)"
+  expect_contains "a warning event" "AtMinimum" "$(kn describe gpuclaim c-min)"
+  # An invalid spec: said on the claim, nothing created.
+  new_claim c-bad 5000 6000 1s
+  eventually "a minimum above the request: Invalid" 30 claim_phase_is c-bad Invalid
+  expect_contains "the condition names the field" "minGpuMemMiB 6000" \
+    "$(claim_condition c-bad Valid message)"
+  expect_eq "no pod for it" "" "$(claim_pods c-bad)"
+  kn delete gpuclaim c-min c-bad --wait=true --timeout=30s > /dev/null
+  eventually "its pod goes with it" 60 no_claim_pods c-min
+  wait_idle
+}
+
+claims_leading() { curl -s "http://$1/metrics" | grep -q "^gpumem_claim_leading $2\$"; }
+
+scenario_claims_failover() {
+  scenario "two claim controllers: one leads through the Lease, the other takes over when it stops"
+  local standby_addr=127.0.0.1:18891 standby_pid
+  KUBECONFIG=$RUN_OUT/claims.kubeconfig POD_NAME=gpumem-claims-standby POD_NAMESPACE=gpumem-system \
+    "$BIN/gpumem" claims controller --listen "$standby_addr" >> "$RUN_OUT/claims-standby.log" 2>&1 &
+  standby_pid=$!
+  eventually "the second replica stands by" 30 grep -q "another replica leads: standing by" "$RUN_OUT/claims-standby.log"
+  expect_eq "the Lease names the first" gpumem-claims-e2e \
+    "$(k -n gpumem-system get lease gpumem-claims -o 'jsonpath={.spec.holderIdentity}')"
+  local status=0
+  stop_claims TERM || status=$?
+  expect_eq "the leader exits 0 on SIGTERM, giving the Lease up" 0 "$status"
+  # Released, the Lease is the standby's at its next try (5 s), not after the 15 s expiry.
+  eventually "the second replica leads" 10 claims_leading "$standby_addr" 1
+  new_claim c-fo 20000 15000 1s '"Tesla T4"'
+  eventually "and acts: its claim steps down and runs" 60 claim_phase_is c-fo Running
+  kn delete gpuclaim c-fo --wait=true --timeout=30s > /dev/null
+  eventually "its pod goes with it" 60 no_claim_pods c-fo
+  kill -TERM "$standby_pid" 2> /dev/null
+  wait "$standby_pid" 2> /dev/null
+  start_claims
+  eventually "the first replica leads again" 30 claims_leading "$CLAIMS_ADDR" 1
   wait_idle
 }
 
