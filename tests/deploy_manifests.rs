@@ -37,6 +37,8 @@ fn generated() -> Vec<(&'static str, &'static str, Json)> {
         ),
         ("base/scorer-rbac.yaml", "templates/scorer-rbac.yaml", json!({})),
         ("base/scorer.yaml", "templates/scorer.yaml", json!({})),
+        ("base/claims-rbac.yaml", "templates/claims-rbac.yaml", json!({})),
+        ("base/claims.yaml", "templates/claims.yaml", json!({})),
         (
             "base/priorityclasses.yaml",
             "templates/priorityclasses.yaml",
@@ -354,7 +356,9 @@ fn overlays_build_from_files_that_exist() {
         "DaemonSet/gpumem-agent",
         "Deployment/gpumem-scorer",
         "Deployment/gpumem-scheduler",
+        "Deployment/gpumem-claims",
         "CustomResourceDefinition/gpuclaims.gpumem.io",
+        "PodMonitor/gpumem-claims",
         "PrometheusRule/gpumem",
         "ConfigMap/gpumem-dashboard",
         "Namespace/gpumem-system",
