@@ -11,8 +11,10 @@ use std::path::{Path, PathBuf};
 use clap::{Args as _, FromArgMatches as _};
 use gpumem::agent::config::{DeviceListStrategy, MemoryLimits};
 use gpumem::agent::{AgentArgs, Config};
+use gpumem::claim::ControllerArgs;
 use k8s_openapi::api::apps::v1::{DaemonSet, Deployment};
 use k8s_openapi::api::core::v1::{ConfigMap, Container, PodSpec};
+use k8s_openapi::api::rbac::v1::Role;
 use serde_json::{Value as Json, json};
 
 use deploy_support::*;
@@ -44,6 +46,15 @@ fn custom_values() -> Json {
             "config": {"weights": {"online": 0.8}},
             "pdb": {"minAvailable": 2},
             "extraArgs": ["--without-kube"]
+        },
+        "claims": {
+            "replicas": 2,
+            "port": 9891,
+            "resources": {"requests": {"cpu": "10m"}},
+            "priorityClassName": "gpumem-online",
+            "nodeSelector": {"role": "infra"},
+            "tolerations": [{"key": "infra", "operator": "Exists", "effect": "NoSchedule"}],
+            "extraArgs": ["--lease-namespace=gpumem-system"]
         },
         "scheduler": {"configApiVersion": "v1beta3", "name": "gpu-sched", "extender": {"weight": 3, "httpTimeout": "2s"}},
         "metrics": {
@@ -110,6 +121,12 @@ fn default_values_render_the_expected_typed_objects() {
         "Service/\"gpumem-scorer\"",
         "PodDisruptionBudget/\"gpumem-scorer\"",
         "NetworkPolicy/\"gpumem-scorer\"",
+        "ServiceAccount/\"gpumem-claims\"",
+        "ClusterRole/\"gpumem-claims\"",
+        "ClusterRoleBinding/\"gpumem-claims\"",
+        "Role/\"gpumem-claims-lease\"",
+        "RoleBinding/\"gpumem-claims-lease\"",
+        "Deployment/\"gpumem-claims\"",
         "ServiceAccount/\"gpumem-scheduler\"",
         "ClusterRoleBinding/\"gpumem-scheduler-kube-scheduler\"",
         "ClusterRoleBinding/\"gpumem-scheduler-volume-scheduler\"",
@@ -239,10 +256,11 @@ fn non_default_values_render_typed_objects_that_follow_them() {
     let pm = find(&docs, "PodMonitor", "gpumem-agent").unwrap();
     assert_eq!(pm["metadata"]["labels"]["release"], "prom");
 
-    // Without the scorer and the second scheduler, none of their objects remain.
+    // Without the scorer, the second scheduler and the claim controller, none of their objects remain.
     let none = objects(
-        &json!({"scorer": {"enabled": false}, "scheduler": {"mode": "none"},
-        "priorityClasses": {"enabled": false}, "metrics": {"serviceMonitor": {"enabled": true}}}),
+        &json!({"scorer": {"enabled": false}, "scheduler": {"mode": "none"}, "claims": {"enabled": false},
+        "priorityClasses": {"enabled": false},
+        "metrics": {"serviceMonitor": {"enabled": true}, "podMonitor": {"enabled": true}}}),
     );
     let names = kinds_and_names(&none);
     assert!(
@@ -716,4 +734,165 @@ fn the_scorer_serves_the_verbs_over_tls_from_secrets_that_gpumem_certs_makes() {
             .iter()
             .any(|a| a.starts_with("--tls-listen"))
     );
+}
+
+/// The claim controller's pod spec and its one container.
+fn claims_spec(docs: &[(String, Json)]) -> (Deployment, PodSpec, Container) {
+    let d: Deployment = get(docs, "Deployment", "gpumem-claims");
+    let spec = d.spec.clone().unwrap().template.spec.unwrap();
+    assert_eq!(spec.containers.len(), 1);
+    let c = container(&spec, "controller").clone();
+    (d, spec, c)
+}
+
+#[test]
+fn the_claim_controller_runs_with_the_agents_mem_unit_and_its_own_lease() {
+    for values in [json!({}), custom_values()] {
+        let docs = objects(&values);
+        let (deployment, spec, c) = claims_spec(&docs);
+        let args = c.args.clone().unwrap();
+        assert_eq!(args[..2], ["claims".to_string(), "controller".into()], "{args:?}");
+        // The flags are ones `gpumem claims controller` accepts, with the chart's values.
+        let mut argv = vec!["gpumem-claims-controller".to_string()];
+        argv.extend(args[2..].iter().cloned());
+        let cmd = ControllerArgs::augment_args(clap::Command::new("gpumem-claims-controller"));
+        let matches = cmd
+            .clone()
+            .try_get_matches_from(&argv)
+            .unwrap_or_else(|e| panic!("{argv:?}: {e}"));
+        let parsed = ControllerArgs::from_arg_matches(&matches).unwrap();
+        let unit = values["memUnitMiB"].as_u64().unwrap_or(1);
+        assert_eq!(parsed.mem_unit_mib, unit, "the agents' memUnitMiB");
+        let agent = agent_config(&docs, tempfile::tempdir().unwrap().path()).0;
+        assert_eq!(parsed.mem_unit_mib, agent.mem_unit_mib);
+        let port = values["claims"]["port"].as_u64().unwrap_or(8890);
+        assert_eq!(u64::from(parsed.listen.port()), port);
+        let ports = c.ports.as_ref().unwrap();
+        assert_eq!(ports.len(), 1);
+        assert_eq!(
+            (ports[0].name.as_deref(), i64::from(ports[0].container_port)),
+            (Some("http"), port as i64)
+        );
+        for (probe, path) in [(&c.readiness_probe, "/readyz"), (&c.liveness_probe, "/healthz")] {
+            let get = probe.as_ref().unwrap().http_get.as_ref().unwrap();
+            assert_eq!(get.path.as_deref(), Some(path));
+            assert_eq!(serde_json::to_value(&get.port).unwrap(), json!("http"));
+        }
+
+        // Every environment variable the flags read comes from the downward API: the pod's name is
+        // its identity in the Lease, its namespace the Lease's.
+        let read: BTreeSet<String> = cmd
+            .get_arguments()
+            .filter_map(|a| a.get_env())
+            .map(|e| e.to_string_lossy().into_owned())
+            .collect();
+        let env = c.env.clone().unwrap();
+        let given: BTreeSet<String> = env.iter().map(|e| e.name.clone()).collect();
+        assert_eq!(given, read);
+        for (name, field) in [
+            ("POD_NAME", "metadata.name"),
+            ("POD_NAMESPACE", "metadata.namespace"),
+        ] {
+            let e = env.iter().find(|e| e.name == name).unwrap();
+            let r = e.value_from.as_ref().unwrap().field_ref.as_ref().unwrap();
+            assert_eq!(r.field_path, field, "{name}");
+        }
+        // The Role grants get/update of the very Lease the controller is told to use, in its
+        // namespace.
+        let role: Role = get(&docs, "Role", "gpumem-claims-lease");
+        assert_eq!(role.metadata.namespace, deployment.metadata.namespace);
+        let named: Vec<_> = role
+            .rules
+            .unwrap()
+            .into_iter()
+            .filter_map(|r| r.resource_names)
+            .collect();
+        assert_eq!(named, [vec![parsed.lease_name.clone()]]);
+        assert_eq!(spec.service_account_name.as_deref(), Some("gpumem-claims"));
+
+        // The scorer's hardening.
+        let pod_sc = spec.security_context.as_ref().unwrap();
+        assert_eq!(
+            (pod_sc.run_as_non_root, pod_sc.run_as_user),
+            (Some(true), Some(65532))
+        );
+        let sc = c.security_context.as_ref().unwrap();
+        assert_eq!(
+            (sc.allow_privilege_escalation, sc.read_only_root_filesystem),
+            (Some(false), Some(true))
+        );
+        assert_eq!(
+            sc.capabilities.as_ref().unwrap().drop.as_deref(),
+            Some(&["ALL".to_string()][..])
+        );
+        assert!(spec.volumes.is_none() && !spec.host_network.unwrap_or(false));
+        let scorer: Deployment = get(&docs, "Deployment", "gpumem-scorer");
+        assert_eq!(
+            c.image,
+            scorer.spec.unwrap().template.spec.unwrap().containers[0].image,
+            "the one gpumem image"
+        );
+        let mut resources =
+            json!({"requests": {"cpu": "50m", "memory": "64Mi"}, "limits": {"memory": "256Mi"}});
+        if let Some(over) = values.get("claims").and_then(|c| c.get("resources")) {
+            merge(&mut resources, over);
+        }
+        assert_eq!(serde_json::to_value(&c.resources).unwrap(), resources);
+    }
+
+    // Defaults: one replica, no priority class, anywhere. Custom: the values.
+    let (d, spec, _) = claims_spec(&objects(&json!({})));
+    assert_eq!(d.spec.unwrap().replicas, Some(1));
+    assert_eq!(spec.priority_class_name, None);
+    assert!(spec.node_selector.is_none() && spec.tolerations.is_none());
+    let (d, spec, c) = claims_spec(&objects(&custom_values()));
+    assert_eq!(d.spec.unwrap().replicas, Some(2));
+    assert_eq!(spec.priority_class_name.as_deref(), Some("gpumem-online"));
+    assert_eq!(spec.node_selector.unwrap()["role"], "infra");
+    assert_eq!(spec.tolerations.unwrap()[0].key.as_deref(), Some("infra"));
+    assert_eq!(spec.image_pull_secrets.unwrap()[0].name, "regcred");
+    assert_eq!(
+        c.args.unwrap().last().map(String::as_str),
+        Some("--lease-namespace=gpumem-system")
+    );
+}
+
+#[test]
+fn claims_disabled_removes_the_controller_and_keeps_the_crd() {
+    let on = kinds_and_names(&objects(&json!({"metrics": {"podMonitor": {"enabled": true}}})));
+    let off = kinds_and_names(&objects(
+        &json!({"claims": {"enabled": false}, "metrics": {"podMonitor": {"enabled": true}}}),
+    ));
+    let removed: BTreeSet<_> = on.difference(&off).cloned().collect();
+    let expected: BTreeSet<String> = [
+        "ServiceAccount/\"gpumem-claims\"",
+        "ClusterRole/\"gpumem-claims\"",
+        "ClusterRoleBinding/\"gpumem-claims\"",
+        "Role/\"gpumem-claims-lease\"",
+        "RoleBinding/\"gpumem-claims-lease\"",
+        "Deployment/\"gpumem-claims\"",
+        "PodMonitor/\"gpumem-claims\"",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    assert_eq!(removed, expected);
+    assert!(
+        off.is_subset(&on),
+        "nothing else changes: {:?}",
+        off.difference(&on)
+    );
+    // The CRD is not a template: Helm installs crds/ whatever the values (and never deletes it, so
+    // turning the controller off or uninstalling keeps the users' claims).
+    assert!(
+        on.iter().all(|n| !n.starts_with("CustomResourceDefinition/")),
+        "the CRD belongs in crds/, not templates/"
+    );
+    let crds = files_under(&chart_dir().join("crds"), &[".yaml"]);
+    let names: Vec<_> = crds
+        .iter()
+        .flat_map(|p| yaml_docs(&read(p), "crds"))
+        .map(|d| d["metadata"]["name"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(names, ["gpuclaims.gpumem.io"]);
 }

@@ -1,12 +1,14 @@
 //! deploy/manifests: the kustomize tree. Most of its objects are the chart rendered with default
-//! values (so the two cannot drift apart); every YAML file under deploy/ parses into the typed
-//! object it claims to be; every kustomization names files that exist.
+//! values (so the two cannot drift apart); the GPUClaim CRD, in the chart's crds/ and in the base, is
+//! what `gpumem claims crd` prints; every YAML file under deploy/ parses into the typed object it
+//! claims to be; every kustomization names files that exist.
 
 mod deploy_support;
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use serde_json::{Value as Json, json};
 
 use deploy_support::*;
@@ -35,6 +37,8 @@ fn generated() -> Vec<(&'static str, &'static str, Json)> {
         ),
         ("base/scorer-rbac.yaml", "templates/scorer-rbac.yaml", json!({})),
         ("base/scorer.yaml", "templates/scorer.yaml", json!({})),
+        ("base/claims-rbac.yaml", "templates/claims-rbac.yaml", json!({})),
+        ("base/claims.yaml", "templates/claims.yaml", json!({})),
         (
             "base/priorityclasses.yaml",
             "templates/priorityclasses.yaml",
@@ -103,6 +107,74 @@ fn generated_manifests_are_the_chart_rendered() {
     );
 }
 
+/// The files that ship the GPUClaim CRD: Helm installs crds/ before the templates (and never
+/// upgrades or deletes it); the end-to-end script applies the base's copy on its own.
+const CRD_FILES: [&str; 2] = [
+    "deploy/helm/gpumem/crds/gpuclaim-crd.yaml",
+    "deploy/manifests/base/gpuclaim-crd.yaml",
+];
+
+/// `gpumem claims crd`'s output, with the header the shipped files carry.
+fn crd_text() -> String {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_gpumem"))
+        .args(["claims", "crd"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "gpumem claims crd: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let crd = String::from_utf8(out.stdout).unwrap();
+    format!(
+        "# GENERATED: `gpumem claims crd` (the types in src/claim/resource.rs). Change those, then:\n\
+         # {REGENERATE}=1 cargo test --test deploy_manifests\n{crd}"
+    )
+}
+
+#[test]
+fn the_shipped_crd_is_what_gpumem_claims_crd_prints() {
+    let want = crd_text();
+    let mut stale = Vec::new();
+    for file in CRD_FILES {
+        let path = repo().join(file);
+        if std::env::var_os(REGENERATE).is_some() {
+            std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+            std::fs::write(&path, &want).unwrap();
+        } else if std::fs::read_to_string(&path).ok().as_deref() != Some(want.as_str()) {
+            stale.push(file);
+        }
+    }
+    assert!(
+        stale.is_empty(),
+        "stale, run `{REGENERATE}=1 cargo test --test deploy_manifests`: {stale:?}"
+    );
+    // The API the controller uses: namespaced gpuclaims.gpumem.io/v1alpha1 with a status
+    // subresource (it writes the status with PUT .../status, which 404s without one).
+    let docs = yaml_docs(&want, "gpumem claims crd");
+    assert_eq!(docs.len(), 1);
+    assert_eq!(check_typed(&docs[0]).unwrap(), "CustomResourceDefinition");
+    let crd: CustomResourceDefinition = parse(&docs[0]);
+    assert_eq!(crd.metadata.name.as_deref(), Some("gpuclaims.gpumem.io"));
+    assert_eq!(
+        (
+            crd.spec.group.as_str(),
+            crd.spec.names.plural.as_str(),
+            crd.spec.scope.as_str()
+        ),
+        ("gpumem.io", "gpuclaims", "Namespaced")
+    );
+    let versions: Vec<_> = crd
+        .spec
+        .versions
+        .iter()
+        .map(|v| (v.name.as_str(), v.served, v.storage))
+        .collect();
+    assert_eq!(versions, [("v1alpha1", true, true)]);
+    let subresources = crd.spec.versions[0].subresources.as_ref().unwrap();
+    assert!(subresources.status.is_some(), "no status subresource");
+}
+
 /// Every YAML file under deploy/ except the chart's templates (tests/deploy_chart.rs renders those).
 fn yaml_files() -> Vec<PathBuf> {
     files_under(&repo().join("deploy"), &[".yaml", ".yml"])
@@ -149,6 +221,7 @@ fn every_yaml_file_under_deploy_is_a_typed_object() {
         "KubeSchedulerConfiguration",
         "Kustomization",
         "Component",
+        "CustomResourceDefinition",
     ] {
         assert!(
             kinds.contains(want),
@@ -262,8 +335,14 @@ fn overlays_build_from_files_that_exist() {
         let unique: BTreeSet<_> = seen.iter().cloned().collect();
         assert_eq!(unique.len(), seen.len(), "{overlay}: an object appears twice");
         for (kind, ns, name) in &seen {
-            let namespaced =
-                !["Namespace", "ClusterRole", "ClusterRoleBinding", "PriorityClass"].contains(&kind.as_str());
+            let namespaced = ![
+                "Namespace",
+                "ClusterRole",
+                "ClusterRoleBinding",
+                "PriorityClass",
+                "CustomResourceDefinition",
+            ]
+            .contains(&kind.as_str());
             if namespaced {
                 assert!(
                     ["gpumem-system", "kube-system"].contains(&ns.as_str()),
@@ -277,6 +356,9 @@ fn overlays_build_from_files_that_exist() {
         "DaemonSet/gpumem-agent",
         "Deployment/gpumem-scorer",
         "Deployment/gpumem-scheduler",
+        "Deployment/gpumem-claims",
+        "CustomResourceDefinition/gpuclaims.gpumem.io",
+        "PodMonitor/gpumem-claims",
         "PrometheusRule/gpumem",
         "ConfigMap/gpumem-dashboard",
         "Namespace/gpumem-system",

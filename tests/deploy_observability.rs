@@ -228,6 +228,46 @@ fn the_monitors_scrape_the_ports_the_workloads_expose() {
         sm.spec.endpoints[0].port.as_str()
     );
     assert_eq!(sm.spec.endpoints[0].path, "/metrics");
+
+    // The claim controller: every replica, at the port its probes use too.
+    let pm: PodMonitor = parse(find("PodMonitor", "gpumem-claims"));
+    let claims = find("Deployment", "gpumem-claims");
+    let pod_labels = &claims["spec"]["template"]["metadata"]["labels"];
+    let selector = pm.spec.selector.match_labels.as_ref().unwrap();
+    for (k, v) in selector {
+        assert_eq!(
+            pod_labels[k],
+            v.as_str(),
+            "the PodMonitor selects the controller's pods"
+        );
+    }
+    let agents = &ds["spec"]["template"]["metadata"]["labels"];
+    assert!(
+        selector.iter().any(|(k, v)| agents[k] != v.as_str()),
+        "and not the agents"
+    );
+    let container = &claims["spec"]["template"]["spec"]["containers"][0];
+    let endpoint = &pm.spec.pod_metrics_endpoints[0];
+    assert!(
+        container["ports"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|p| p["name"] == endpoint.port.as_str()),
+        "claims port {}",
+        endpoint.port
+    );
+    assert_eq!(endpoint.path, "/metrics");
+    let listen = container["args"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find_map(|a| a.as_str().unwrap().strip_prefix("--listen="))
+        .unwrap();
+    assert!(
+        listen.ends_with(&format!(":{}", container["ports"][0]["containerPort"])),
+        "it serves /metrics on {listen}"
+    );
 }
 
 #[test]

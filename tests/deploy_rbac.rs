@@ -1,6 +1,7 @@
-//! RBAC: the agent and the scorer get the same rules from the chart with any values and from
-//! deploy/manifests; each ClusterRole is bound to the ServiceAccount its workload runs as; the second
-//! scheduler gets the built-in scheduler roles and its own Lease. What the rules grant is held to what
+//! RBAC: the agent, the scorer and the claim controller get the same rules from the chart with any
+//! values and from deploy/manifests; each ClusterRole is bound to the ServiceAccount its workload runs
+//! as; the claim controller's grants are exactly the calls it makes, its Lease's among them; the
+//! second scheduler gets the built-in scheduler roles and its own Lease. What the rules grant is held to what
 //! the code does by the agent's and the scorer's own tests: their fake API servers authorize every
 //! request against these roles, and a test of each uses every grant (tests/support/k8s.rs).
 
@@ -12,6 +13,26 @@ use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, Role, RoleBind
 use serde_json::{Value as Json, json};
 
 use deploy_support::*;
+
+/// What `gpumem claims controller` calls (src/claim/mod.rs, controller.rs), cluster-wide:
+const CLAIMS_CALLS: &[&str] = &[
+    // the startup check that the CRD is installed, and the claims' watch (list, then watch)
+    "gpumem.io/gpuclaims:list",
+    "gpumem.io/gpuclaims:watch",
+    // replace_status: PUT .../gpuclaims/<name>/status
+    "gpumem.io/gpuclaims/status:update",
+    // its pods name the claim as owner with blockOwnerDeletion: OwnerReferencesPermissionEnforcement
+    // admits that only for who may update the owner's finalizers
+    "gpumem.io/gpuclaims/finalizers:update",
+    // the pods' watch (label gpumem.io/claim) and each claim's list; its pod, created and replaced
+    "core/pods:list",
+    "core/pods:watch",
+    "core/pods:create",
+    "core/pods:delete",
+    // kube's event recorder: a new Event, or a patch of its series when it repeats
+    "events.k8s.io/events:create",
+    "events.k8s.io/events:patch",
+];
 
 fn set(list: &[&str]) -> BTreeSet<String> {
     list.iter().map(|s| s.to_string()).collect()
@@ -31,14 +52,18 @@ fn rules(docs: &[Json], name: &str, what: &str) -> BTreeSet<String> {
     rbac_triples(role.rules.as_deref().unwrap_or_default())
 }
 
-/// Checks a set of objects (one rendering, or the manifests): the two roles grant what the chart's
-/// with default values grant, their bindings, the workloads' service accounts, and the second
-/// scheduler's roles when it is there.
+/// Checks a set of objects (one rendering, or the manifests): the three ClusterRoles grant what the
+/// chart's with default values grant, the claim controller's exactly its calls; their bindings, the
+/// workloads' service accounts, the Leases' Roles, and the second scheduler's roles when it is there.
 fn check(docs: &[Json], what: &str) {
     let roles: Vec<ClusterRole> = of_kind(docs, "ClusterRole");
     let bindings: Vec<ClusterRoleBinding> = of_kind(docs, "ClusterRoleBinding");
     let defaults = chart(&json!({}));
-    for (component, workload_kind) in [("agent", "DaemonSet"), ("scorer", "Deployment")] {
+    for (component, workload_kind) in [
+        ("agent", "DaemonSet"),
+        ("scorer", "Deployment"),
+        ("claims", "Deployment"),
+    ] {
         let name = format!("gpumem-{component}");
         assert_eq!(
             rules(docs, &name, what),
@@ -68,7 +93,24 @@ fn check(docs: &[Json], what: &str) {
     }
     // Nothing else gets a ClusterRole of ours; the scheduler binds the built-in ones.
     let ours: BTreeSet<_> = roles.iter().map(|r| r.metadata.name.clone().unwrap()).collect();
-    assert_eq!(ours, set(&["gpumem-agent", "gpumem-scorer"]), "{what}");
+    assert_eq!(
+        ours,
+        set(&["gpumem-agent", "gpumem-scorer", "gpumem-claims"]),
+        "{what}"
+    );
+    check_claims(docs, what);
+    let roles: Vec<Role> = of_kind(docs, "Role");
+    let role_bindings: Vec<RoleBinding> = of_kind(docs, "RoleBinding");
+    // A Role for each Lease, nothing else.
+    let scheduler_there = docs
+        .iter()
+        .any(|d| d["kind"] == "Deployment" && d["metadata"]["name"] == "gpumem-scheduler");
+    let mut leases = vec!["gpumem-claims-lease"];
+    if scheduler_there {
+        leases.push("gpumem-scheduler-lease");
+    }
+    let names: BTreeSet<_> = roles.iter().map(|r| r.metadata.name.clone().unwrap()).collect();
+    assert_eq!(names, set(&leases), "{what}: a Role for each Lease");
     if let Some(scheduler) = docs
         .iter()
         .find(|d| d["kind"] == "Deployment" && d["metadata"]["name"] == "gpumem-scheduler")
@@ -86,15 +128,16 @@ fn check(docs: &[Json], what: &str) {
             set(&["system:kube-scheduler", "system:volume-scheduler"]),
             "{what}"
         );
-        let role_bindings: Vec<RoleBinding> = of_kind(docs, "RoleBinding");
         let auth = role_bindings
             .iter()
             .find(|b| b.role_ref.name == "extension-apiserver-authentication-reader")
             .unwrap();
         assert_eq!(auth.metadata.namespace.as_deref(), Some("kube-system"));
-        let roles: Vec<Role> = of_kind(docs, "Role");
-        assert_eq!(roles.len(), 1, "{what}: one Role, the scheduler's Lease");
-        let lease = rbac_triples(roles[0].rules.as_deref().unwrap());
+        let role = roles
+            .iter()
+            .find(|r| r.metadata.name.as_deref() == Some("gpumem-scheduler-lease"))
+            .unwrap();
+        let lease = rbac_triples(role.rules.as_deref().unwrap());
         let name = scheduler_name(docs);
         assert_eq!(
             lease,
@@ -106,6 +149,60 @@ fn check(docs: &[Json], what: &str) {
             "{what}"
         );
     }
+}
+
+/// The claim controller's grants: exactly its calls, and its Lease by the name its Deployment
+/// passes, in its namespace, bound to its account.
+fn check_claims(docs: &[Json], what: &str) {
+    assert_eq!(
+        rules(docs, "gpumem-claims", what),
+        set(CLAIMS_CALLS),
+        "{what}: the claim controller's calls, no more"
+    );
+    let roles: Vec<Role> = of_kind(docs, "Role");
+    let role_bindings: Vec<RoleBinding> = of_kind(docs, "RoleBinding");
+    let claims = docs
+        .iter()
+        .find(|d| d["kind"] == "Deployment" && d["metadata"]["name"] == "gpumem-claims")
+        .unwrap();
+    let lease = claims["spec"]["template"]["spec"]["containers"][0]["args"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find_map(|a| a.as_str().unwrap().strip_prefix("--lease-name="))
+        .expect("--lease-name");
+    let namespace = claims["metadata"]["namespace"].as_str().unwrap();
+    let binding = role_bindings
+        .iter()
+        .find(|b| b.metadata.name.as_deref() == Some("gpumem-claims-lease"))
+        .unwrap();
+    assert_eq!(binding.metadata.namespace.as_deref(), Some(namespace));
+    assert_eq!(binding.role_ref.kind, "Role");
+    let subjects = binding.subjects.as_deref().unwrap();
+    assert_eq!(subjects.len(), 1);
+    assert_eq!(
+        (subjects[0].name.as_str(), subjects[0].namespace.as_deref()),
+        (
+            claims["spec"]["template"]["spec"]["serviceAccountName"]
+                .as_str()
+                .unwrap(),
+            Some(namespace)
+        )
+    );
+    let role = roles
+        .iter()
+        .find(|r| r.metadata.name.as_deref() == Some(binding.role_ref.name.as_str()))
+        .unwrap();
+    assert_eq!(role.metadata.namespace.as_deref(), Some(namespace));
+    assert_eq!(
+        rbac_triples(role.rules.as_deref().unwrap()),
+        set(&[
+            "coordination.k8s.io/leases:create",
+            &format!("coordination.k8s.io/leases[{lease}]:get"),
+            &format!("coordination.k8s.io/leases[{lease}]:update"),
+        ]),
+        "{what}: the claim controller's Lease"
+    );
 }
 
 /// The Lease name in the second scheduler's configuration.
@@ -174,4 +271,27 @@ fn a_rule_too_many_or_too_few_fails() {
         let result = std::panic::catch_unwind(|| check(&docs, "mutated"));
         assert!(result.is_err(), "a changed agent role must fail the check");
     }
+    // The claim controller's role is held to its calls, not only to the chart's defaults: a grant
+    // more fails, as does a Lease by another name.
+    let mut wider = docs.clone();
+    for d in wider
+        .iter_mut()
+        .filter(|d| d["kind"] == "ClusterRole" && d["metadata"]["name"] == "gpumem-claims")
+    {
+        d["rules"][2]["verbs"].as_array_mut().unwrap().push(json!("get"));
+    }
+    let result = std::panic::catch_unwind(|| check_claims(&wider, "pods get"));
+    assert!(
+        result.is_err(),
+        "an extra grant to the claim controller must fail"
+    );
+    let mut renamed = docs.clone();
+    for d in renamed
+        .iter_mut()
+        .filter(|d| d["kind"] == "Role" && d["metadata"]["name"] == "gpumem-claims-lease")
+    {
+        d["rules"][1]["resourceNames"] = json!(["other"]);
+    }
+    let result = std::panic::catch_unwind(|| check_claims(&renamed, "lease renamed"));
+    assert!(result.is_err(), "a Lease grant by another name must fail");
 }

@@ -335,6 +335,7 @@ pub fn rendered_docs(rendered: &[Rendered]) -> Vec<(String, Json)> {
 /// kind. CRDs and configuration kinds go through the strict structs below.
 pub fn check_typed(doc: &Json) -> Result<String, String> {
     use k8s_openapi::api::{apps, core, networking, policy, rbac, scheduling};
+    use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions;
     let api = doc["apiVersion"].as_str().ok_or("no apiVersion")?;
     let kind = doc["kind"].as_str().ok_or("no kind")?;
     let key = format!("{api}/{kind}");
@@ -354,6 +355,9 @@ pub fn check_typed(doc: &Json) -> Result<String, String> {
         "rbac.authorization.k8s.io/v1/Role" => round_trip::<rbac::v1::Role>(doc),
         "rbac.authorization.k8s.io/v1/RoleBinding" => round_trip::<rbac::v1::RoleBinding>(doc),
         "scheduling.k8s.io/v1/PriorityClass" => round_trip::<scheduling::v1::PriorityClass>(doc),
+        "apiextensions.k8s.io/v1/CustomResourceDefinition" => {
+            round_trip::<apiextensions::v1::CustomResourceDefinition>(doc)
+        }
         "monitoring.coreos.com/v1/PodMonitor" => strict::<PodMonitor>(doc),
         "monitoring.coreos.com/v1/ServiceMonitor" => strict::<ServiceMonitor>(doc),
         "monitoring.coreos.com/v1/PrometheusRule" => strict::<PrometheusRule>(doc),
