@@ -127,6 +127,8 @@ fn default_values_render_the_expected_typed_objects() {
         "Role/\"gpumem-claims-lease\"",
         "RoleBinding/\"gpumem-claims-lease\"",
         "Deployment/\"gpumem-claims\"",
+        "ClusterRole/\"gpumem-gpuclaims-edit\"",
+        "ClusterRole/\"gpumem-gpuclaims-view\"",
         "ServiceAccount/\"gpumem-scheduler\"",
         "ClusterRoleBinding/\"gpumem-scheduler-kube-scheduler\"",
         "ClusterRoleBinding/\"gpumem-scheduler-volume-scheduler\"",
@@ -872,6 +874,8 @@ fn claims_disabled_removes_the_controller_and_keeps_the_crd() {
         "RoleBinding/\"gpumem-claims-lease\"",
         "Deployment/\"gpumem-claims\"",
         "PodMonitor/\"gpumem-claims\"",
+        "ClusterRole/\"gpumem-gpuclaims-edit\"",
+        "ClusterRole/\"gpumem-gpuclaims-view\"",
     ]
     .iter()
     .map(|s| s.to_string())

@@ -91,13 +91,21 @@ fn check(docs: &[Json], what: &str) {
                 .any(|d| d["kind"] == "ServiceAccount" && d["metadata"]["name"] == subjects[0].name.as_str())
         );
     }
-    // Nothing else gets a ClusterRole of ours; the scheduler binds the built-in ones.
+    // Nothing else gets a ClusterRole of ours; the scheduler binds the built-in ones. The two roles
+    // for users are bound by no one: Kubernetes aggregates them into edit/admin and view.
     let ours: BTreeSet<_> = roles.iter().map(|r| r.metadata.name.clone().unwrap()).collect();
     assert_eq!(
         ours,
-        set(&["gpumem-agent", "gpumem-scorer", "gpumem-claims"]),
+        set(&[
+            "gpumem-agent",
+            "gpumem-scorer",
+            "gpumem-claims",
+            "gpumem-gpuclaims-edit",
+            "gpumem-gpuclaims-view"
+        ]),
         "{what}"
     );
+    check_user_roles(&roles, what);
     check_claims(docs, what);
     let roles: Vec<Role> = of_kind(docs, "Role");
     let role_bindings: Vec<RoleBinding> = of_kind(docs, "RoleBinding");
@@ -153,6 +161,50 @@ fn check(docs: &[Json], what: &str) {
 
 /// The claim controller's grants: exactly its calls, and its Lease by the name its Deployment
 /// passes, in its namespace, bound to its account.
+/// The roles for the users of claims: aggregated into the built-in ones, about GPUClaims only, and
+/// only `edit`/`admin` may write.
+fn check_user_roles(roles: &[ClusterRole], what: &str) {
+    let role = |name: &str| {
+        roles
+            .iter()
+            .find(|r| r.metadata.name.as_deref() == Some(name))
+            .unwrap_or_else(|| panic!("{what}: no {name}"))
+    };
+    let aggregated = |r: &ClusterRole| -> BTreeSet<String> {
+        let labels = r.metadata.labels.clone().unwrap_or_default();
+        labels
+            .into_iter()
+            .filter(|(k, v)| k.starts_with("rbac.authorization.k8s.io/aggregate-to-") && v == "true")
+            .map(|(k, _)| k.rsplit('-').next().unwrap().to_string())
+            .collect()
+    };
+    let edit = role("gpumem-gpuclaims-edit");
+    assert_eq!(aggregated(edit), set(&["admin", "edit"]), "{what}");
+    let granted = rbac_triples(edit.rules.as_deref().unwrap_or_default());
+    let writes = ["create", "delete", "deletecollection", "patch", "update"];
+    for verb in writes.iter().chain(&["get", "list", "watch"]) {
+        assert!(
+            granted.contains(&format!("gpumem.io/gpuclaims:{verb}")),
+            "{what}: edit {verb}"
+        );
+    }
+    assert!(
+        granted.iter().all(|g| g.starts_with("gpumem.io/gpuclaims:")),
+        "{what}: {granted:?}"
+    );
+    let view = role("gpumem-gpuclaims-view");
+    assert_eq!(aggregated(view), set(&["view"]), "{what}");
+    let granted = rbac_triples(view.rules.as_deref().unwrap_or_default());
+    assert!(
+        granted.iter().all(|g| g.starts_with("gpumem.io/gpuclaims")
+            && ["get", "list", "watch"]
+                .iter()
+                .any(|v| g.ends_with(&format!(":{v}")))),
+        "{what}: view only reads: {granted:?}"
+    );
+    assert!(granted.contains("gpumem.io/gpuclaims:list"), "{what}");
+}
+
 fn check_claims(docs: &[Json], what: &str) {
     assert_eq!(
         rules(docs, "gpumem-claims", what),

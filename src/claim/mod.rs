@@ -51,7 +51,7 @@ pub enum ClaimsCommand {
 
 #[derive(Debug, clap::Args)]
 pub struct ControllerArgs {
-    /// Address for /healthz and /metrics.
+    /// Address for /healthz, /readyz and /metrics.
     #[arg(long, default_value = "0.0.0.0:8890")]
     pub listen: SocketAddr,
     /// MiB per `nvidia.com/gpu-mem` unit in this cluster: the agents' `memUnitMiB`.

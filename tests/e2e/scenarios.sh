@@ -411,6 +411,14 @@ scenario_claims_at_minimum() {
   expect_contains "the condition names the field" "minGpuMemMiB 6000" \
     "$(claim_condition c-bad Valid message)"
   expect_eq "no pod for it" "" "$(claim_pods c-bad)"
+  # The shipped user roles are aggregated into Kubernetes' own: edit may create claims, view only read.
+  kn create serviceaccount claim-editor > /dev/null && kn create serviceaccount claim-viewer > /dev/null
+  kn create rolebinding claim-editor --clusterrole=edit --serviceaccount="$NS:claim-editor" > /dev/null
+  kn create rolebinding claim-viewer --clusterrole=view --serviceaccount="$NS:claim-viewer" > /dev/null
+  eventually "a namespace's edit users may create GPUClaims" 30 \
+    kn auth can-i create gpuclaims.gpumem.io --as="system:serviceaccount:$NS:claim-editor"
+  expect_eq "its view users may read them" yes "$(kn auth can-i list gpuclaims.gpumem.io --as="system:serviceaccount:$NS:claim-viewer")"
+  expect_eq "and not create them" no "$(kn auth can-i create gpuclaims.gpumem.io --as="system:serviceaccount:$NS:claim-viewer")"
   kn delete gpuclaim c-min c-bad --wait=true --timeout=30s > /dev/null
   eventually "its pod goes with it" 60 no_claim_pods c-min
   wait_idle
