@@ -10,6 +10,7 @@
 //!   placed) and its controller;
 //! - [`sim`]: `gpumem simulate`, replaying cluster traces through [`alloc`];
 //! - [`http`]: the HTTP/1.1 server of the scorer and of the agent's metrics, with its limits;
+//! - [`liveness`]: heartbeats of long-running loops, for the agent's `/healthz`;
 //! - [`quantity`]: Kubernetes resource quantities (`5k`, `1.5Gi`, `500m`), read exactly as the API
 //!   server reads them, for the agent and the scorer;
 //! - [`names`]: Kubernetes object names, checked as the API server checks them;
@@ -21,6 +22,7 @@ pub mod claim;
 pub mod gpu;
 pub mod http;
 pub mod inspect;
+pub mod liveness;
 pub mod names;
 pub mod node;
 pub mod plugin;

@@ -9,15 +9,17 @@ use std::time::{Duration, Instant};
 
 use gpumem::agent::GPU_SOCKET;
 use gpumem::agent::config::DeviceListStrategy;
-use gpumem::agent::liveness::Liveness;
 use gpumem::agent::metrics::AgentMetrics;
+use gpumem::agent::resource::{NodeResource, ResourceKind};
 use gpumem::agent::state::{HealthPolicy, NodeState};
 use gpumem::gpu::GpuInventory;
+use gpumem::liveness::Liveness;
 use gpumem::plugin::devices;
+use gpumem::plugin::podresources::Refresh;
 use gpumem::plugin::proto::v1beta1::DevicePluginOptions;
 use gpumem::plugin::proto::v1beta1::device_plugin_server::DevicePluginServer;
 use gpumem::plugin::registration;
-use gpumem::plugin::server::{Plugin, Refresh, ResourceKind};
+use gpumem::plugin::server::Plugin;
 use gpumem_profile::Profile;
 use loona_hpack::encoder::encode_integer;
 use prost::Message as _;
@@ -59,13 +61,15 @@ fn plugin() -> Plugin {
         },
     );
     Plugin {
-        kind: ResourceKind::Whole,
-        state: Arc::new(state),
-        refresher: Arc::new(NoRefresh),
-        strategy: DeviceListStrategy::Envvar,
-        enforcement: None,
-        cluster: None,
-        metrics: Arc::new(AgentMetrics::new()),
+        source: Arc::new(NodeResource {
+            kind: ResourceKind::Whole,
+            state: Arc::new(state),
+            refresher: Arc::new(NoRefresh),
+            strategy: DeviceListStrategy::Envvar,
+            enforcement: None,
+            cluster: None,
+            metrics: Arc::new(AgentMetrics::new()),
+        }),
         liveness: Arc::new(Liveness::default()),
     }
 }

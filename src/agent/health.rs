@@ -6,9 +6,9 @@ use std::time::Duration;
 
 use crate::gpu::{EVENT_RETRY_MAX, GpuEvent, NvmlSource};
 
-use super::liveness::Liveness;
 use super::metrics::AgentMetrics;
 use super::state::NodeState;
+use crate::liveness::Liveness;
 
 /// The XID watch is not alive once NVML has failed it for this long: three tries in a row at the
 /// longest pause between tries. A running watch makes progress every 200 ms.

@@ -21,10 +21,10 @@ use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
 use super::enforcement::Enforcement;
-use super::liveness::Liveness;
 use super::state::NodeState;
 use crate::gpu::NvmlSource;
 use crate::http::Limits;
+use crate::liveness::Liveness;
 use crate::node::GpuMode;
 
 /// Every metric name the agent exports (the deploy tests hold dashboards and alerts to these).

@@ -6,8 +6,8 @@ pub mod cluster;
 pub mod config;
 pub mod enforcement;
 mod health;
-pub mod liveness;
 pub mod metrics;
+pub mod resource;
 pub mod state;
 
 use std::sync::Arc;
@@ -17,15 +17,16 @@ use tokio::sync::watch;
 use tokio::task::JoinSet;
 
 use crate::gpu::{GpuInventory, NvmlSource};
+use crate::liveness::Liveness;
 use crate::plugin::devices;
 use crate::plugin::podresources::PodResources;
 use crate::plugin::proto::KUBELET_MAX_RECV_BYTES;
 use crate::plugin::registration;
-use crate::plugin::server::{Plugin, ResourceKind};
+use crate::plugin::server::Plugin;
 use cluster::Cluster;
 pub use config::{AgentArgs, Config, MemoryLimits};
 use enforcement::Enforcement;
-use liveness::Liveness;
+use resource::{NodeResource, ResourceKind};
 use state::{HealthPolicy, NodeState};
 
 /// Socket file names in the device-plugin directory.
@@ -77,7 +78,7 @@ async fn serve(config: Config) -> anyhow::Result<()> {
     // agent must not offer what running pods hold.
     let pod_resources = Arc::new(PodResources::new(
         config.pod_resources_socket.clone(),
-        Arc::clone(&state),
+        Arc::clone(&state) as Arc<dyn crate::plugin::podresources::Allocations>,
     ));
     if let Err(err) = pod_resources.refresh_now().await {
         tracing::warn!(error = %err, "starting without the kubelet's allocations; will keep asking");
@@ -146,13 +147,15 @@ async fn serve(config: Config) -> anyhow::Result<()> {
     let (shutdown_tx, shutdown_rx) = watch::channel(false);
     let mut plugins = JoinSet::new();
     let plugin = |kind| Plugin {
-        kind,
-        state: Arc::clone(&state),
-        refresher: pod_resources.clone(),
-        strategy: config.device_list_strategy,
-        enforcement: enforcement.clone(),
-        cluster: cluster.clone(),
-        metrics: Arc::clone(&metrics),
+        source: Arc::new(NodeResource {
+            kind,
+            state: Arc::clone(&state),
+            refresher: pod_resources.clone(),
+            strategy: config.device_list_strategy,
+            enforcement: enforcement.clone(),
+            cluster: cluster.clone(),
+            metrics: Arc::clone(&metrics),
+        }),
         liveness: Arc::clone(&liveness),
     };
     plugins.spawn(registration::run(

@@ -14,21 +14,14 @@ use crate::alloc::local::{self, FreeMemory, PairScores};
 use crate::gpu::GpuInventory;
 use crate::node::{ALLOCATING_POD, GpuMode, GpuUsage, UsageAnnotation};
 use crate::plugin::devices;
+use crate::plugin::podresources::Allocations;
 use crate::plugin::proto::podresources::ListPodResourcesResponse;
 use crate::plugin::proto::v1beta1::Device;
+use crate::plugin::server::RequestError;
 
 /// An allocation the kubelet has not listed after this long never reached a container (admission
 /// failed after Allocate); forget it.
 const PENDING_TTL: Duration = Duration::from_secs(120);
-
-/// Why a request cannot be served; the text reaches the user through the kubelet's pod event.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum RequestError {
-    #[error("{0}")]
-    Invalid(String),
-    #[error("{0}")]
-    Unavailable(String),
-}
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum Health {
@@ -101,6 +94,12 @@ pub struct NodeState {
     version: watch::Sender<u64>,
     /// Bumped when anything the Node's annotations show may have changed.
     usage_version: watch::Sender<u64>,
+}
+
+impl Allocations for NodeState {
+    fn apply(&self, list: &ListPodResourcesResponse) {
+        self.apply_pod_resources(list);
+    }
 }
 
 impl NodeState {

@@ -7,11 +7,20 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::Mutex;
 
-use super::proto::podresources::ListPodResourcesRequest;
 use super::proto::podresources::pod_resources_lister_client::PodResourcesListerClient;
-use super::server::Refresh;
+use super::proto::podresources::{ListPodResourcesRequest, ListPodResourcesResponse};
 use super::uds;
-use crate::agent::state::NodeState;
+
+/// Something that makes what the kubelet handed out current before a decision.
+#[tonic::async_trait]
+pub trait Refresh: Send + Sync + 'static {
+    async fn refresh(&self);
+}
+
+/// Where each `List` goes (the agent's node state).
+pub trait Allocations: Send + Sync + 'static {
+    fn apply(&self, list: &ListPodResourcesResponse);
+}
 
 /// One `List` may take this long before the last known picture is used instead.
 const LIST_TIMEOUT: Duration = Duration::from_secs(2);
@@ -21,22 +30,22 @@ const FRESH_ENOUGH: Duration = Duration::from_millis(100);
 
 pub struct PodResources {
     socket: PathBuf,
-    state: Arc<NodeState>,
+    allocations: Arc<dyn Allocations>,
     client: Mutex<Option<PodResourcesListerClient<tonic::transport::Channel>>>,
     last_listed: std::sync::Mutex<Option<Instant>>,
 }
 
 impl PodResources {
-    pub fn new(socket: PathBuf, state: Arc<NodeState>) -> Self {
+    pub fn new(socket: PathBuf, allocations: Arc<dyn Allocations>) -> Self {
         Self {
             socket,
-            state,
+            allocations,
             client: Mutex::new(None),
             last_listed: std::sync::Mutex::new(None),
         }
     }
 
-    /// Lists what is allocated and applies it to the node state.
+    /// Lists what is allocated and hands it on.
     pub async fn refresh_now(&self) -> anyhow::Result<()> {
         let mut guard = self.client.lock().await;
         let attempt = async {
@@ -50,7 +59,7 @@ impl PodResources {
         };
         match tokio::time::timeout(LIST_TIMEOUT, attempt).await {
             Ok(Ok(list)) => {
-                self.state.apply_pod_resources(&list);
+                self.allocations.apply(&list);
                 *self.last_listed.lock().unwrap_or_else(|e| e.into_inner()) = Some(Instant::now());
                 Ok(())
             }

@@ -42,10 +42,7 @@ pub async fn run(
     socket_name: String,
     mut shutdown: watch::Receiver<bool>,
 ) -> anyhow::Result<()> {
-    let resource = match plugin.kind {
-        super::server::ResourceKind::Whole => plugin.state.gpu_resource.clone(),
-        super::server::ResourceKind::Memory => plugin.state.mem_resource.clone(),
-    };
+    let resource = plugin.source.resource().to_string();
     let socket = dir.join(&socket_name);
     let kubelet = dir.join(KUBELET_SOCKET);
     let heartbeat = plugin
@@ -81,7 +78,7 @@ pub async fn run(
                 Ok(()) => {
                     kubelet_inode = inode(&kubelet);
                     heartbeat.beat();
-                    plugin.metrics.set_registered(&resource, true);
+                    plugin.source.registered(true);
                     tracing::info!(%resource, "registered with the kubelet");
                 }
                 Err(err) => {
@@ -111,7 +108,7 @@ pub async fn run(
             }
         }
         // Dropping the server closes every connection, which ends the ListAndWatch streams.
-        plugin.metrics.set_registered(&resource, false);
+        plugin.source.registered(false);
         server.abort();
         let _ = server.await;
         if *shutdown.borrow() {
