@@ -1,0 +1,106 @@
+//! The layout's one rule that a reader relies on: dependencies between the crate's top-level modules
+//! go one way. A module that imports from a module that (directly or through others) imports it back
+//! makes both unreadable on their own; this test finds any such cycle in `src/` by the `crate::`
+//! paths each file names.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
+
+/// Top-level module → the top-level modules its files name (`crate::x`).
+fn imports() -> BTreeMap<String, BTreeSet<String>> {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut graph: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    let mut stack = vec![src.clone()];
+    while let Some(dir) = stack.pop() {
+        for entry in std::fs::read_dir(&dir).expect("src is readable") {
+            let path = entry.expect("an entry").path();
+            if path.is_dir() {
+                stack.push(path);
+                continue;
+            }
+            if path.extension().is_none_or(|e| e != "rs") {
+                continue;
+            }
+            let relative = path.strip_prefix(&src).expect("under src");
+            let first = relative.components().next().expect("a component");
+            let module = first
+                .as_os_str()
+                .to_string_lossy()
+                .trim_end_matches(".rs")
+                .to_string();
+            if module == "main" || module == "lib" {
+                continue;
+            }
+            let text = std::fs::read_to_string(&path).expect("a source file");
+            let named = graph.entry(module.clone()).or_default();
+            for (at, _) in text.match_indices("crate::") {
+                let rest = &text[at + "crate::".len()..];
+                let name: String = rest
+                    .chars()
+                    .take_while(|c| c.is_ascii_lowercase() || *c == '_')
+                    .collect();
+                if !name.is_empty() && name != module {
+                    named.insert(name);
+                }
+            }
+        }
+    }
+    graph
+}
+
+/// A cycle through `start`, if there is one.
+fn cycle_through(graph: &BTreeMap<String, BTreeSet<String>>, start: &str) -> Option<Vec<String>> {
+    let mut stack = vec![vec![start.to_string()]];
+    let mut seen = BTreeSet::new();
+    while let Some(path) = stack.pop() {
+        let last = path.last().expect("non-empty").clone();
+        for next in graph.get(&last).into_iter().flatten() {
+            if next == start {
+                let mut cycle = path.clone();
+                cycle.push(next.clone());
+                return Some(cycle);
+            }
+            if seen.insert(next.clone()) {
+                let mut longer = path.clone();
+                longer.push(next.clone());
+                stack.push(longer);
+            }
+        }
+    }
+    None
+}
+
+#[test]
+fn top_level_modules_depend_one_way() {
+    let graph = imports();
+    assert!(
+        graph.contains_key("agent") && graph.contains_key("plugin"),
+        "{graph:?}"
+    );
+    let cycles: Vec<String> = graph
+        .keys()
+        .filter_map(|m| cycle_through(&graph, m))
+        .map(|c| c.join(" -> "))
+        .collect();
+    assert!(cycles.is_empty(), "modules that import each other: {cycles:#?}");
+    // The kubelet protocol knows nothing of the agent that serves it.
+    assert!(!graph["plugin"].contains("agent"), "{:?}", graph["plugin"]);
+}
+
+#[test]
+fn the_cycle_finder_finds_cycles() {
+    let graph: BTreeMap<String, BTreeSet<String>> = [
+        ("a", vec!["b"]),
+        ("b", vec!["c"]),
+        ("c", vec!["a"]),
+        ("d", vec!["a"]),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v.into_iter().map(str::to_string).collect()))
+    .collect();
+    assert_eq!(
+        cycle_through(&graph, "a"),
+        Some(vec!["a".into(), "b".into(), "c".into(), "a".into()])
+    );
+    assert_eq!(cycle_through(&graph, "d"), None);
+}
