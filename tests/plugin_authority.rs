@@ -67,7 +67,7 @@ fn plugin() -> Plugin {
             refresher: Arc::new(NoRefresh),
             strategy: DeviceListStrategy::Envvar,
             enforcement: None,
-            cluster: None,
+            api_server: None,
             metrics: Arc::new(AgentMetrics::new()),
         }),
         liveness: Arc::new(Liveness::default()),

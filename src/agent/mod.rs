@@ -2,7 +2,7 @@
 //! in one process, sharing one picture of the node: discovery, health, and what the kubelet has
 //! handed out.
 
-pub mod cluster;
+pub mod apiserver;
 pub mod config;
 pub mod enforcement;
 mod health;
@@ -23,7 +23,7 @@ use crate::plugin::podresources::PodResources;
 use crate::plugin::proto::KUBELET_MAX_RECV_BYTES;
 use crate::plugin::registration;
 use crate::plugin::server::Plugin;
-use cluster::Cluster;
+use apiserver::ApiServer;
 pub use config::{AgentArgs, Config, MemoryLimits};
 use enforcement::Enforcement;
 use resource::{NodeResource, ResourceKind};
@@ -113,12 +113,12 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         }
     };
 
-    let cluster = match &config.node_name {
-        Some(node) => match Cluster::connect(node.clone()).await {
-            Ok(cluster) => {
-                let cluster = Arc::new(cluster);
-                tokio::spawn(Arc::clone(&cluster).publish(Arc::clone(&state)));
-                Some(cluster)
+    let api_server = match &config.node_name {
+        Some(node) => match ApiServer::connect(node.clone()).await {
+            Ok(api_server) => {
+                let api_server = Arc::new(api_server);
+                tokio::spawn(Arc::clone(&api_server).publish(Arc::clone(&state)));
+                Some(api_server)
             }
             Err(err) => {
                 tracing::warn!(error = %err, "no API server: not publishing the Node's GPU picture");
@@ -153,7 +153,7 @@ async fn serve(config: Config) -> anyhow::Result<()> {
             refresher: pod_resources.clone(),
             strategy: config.device_list_strategy,
             enforcement: enforcement.clone(),
-            cluster: cluster.clone(),
+            api_server: api_server.clone(),
             metrics: Arc::clone(&metrics),
         }),
         liveness: Arc::clone(&liveness),
@@ -177,13 +177,13 @@ async fn serve(config: Config) -> anyhow::Result<()> {
             limit = KUBELET_MAX_RECV_BYTES,
             "the device list at this unit exceeds the kubelet's message limit, so this resource is NOT advertised; {fits}"
         );
-        if let Some(cluster) = &cluster {
+        if let Some(api_server) = &api_server {
             let note = format!(
                 "{} is not advertised: at memUnitMiB {} one device list is {mem_bytes} bytes, over the \
                  kubelet's {KUBELET_MAX_RECV_BYTES}-byte limit; {fits}",
                 config.mem_resource, config.mem_unit_mib
             );
-            cluster.warn("GpuMemUnitTooSmall", note).await;
+            api_server.warn("GpuMemUnitTooSmall", note).await;
         }
     } else {
         plugins.spawn(registration::run(

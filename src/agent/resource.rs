@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use tokio::sync::watch;
 
-use super::cluster::Cluster;
+use super::apiserver::ApiServer;
 use super::config::DeviceListStrategy;
 use super::enforcement::Enforcement;
 use super::metrics::AgentMetrics;
@@ -42,7 +42,7 @@ pub struct NodeResource {
     /// Present when gpu-mem containers get libgpumem_cuda.so.
     pub enforcement: Option<Arc<Enforcement>>,
     /// Present when the agent talks to the API server (to honour the scorer's GPU choice).
-    pub cluster: Option<Arc<Cluster>>,
+    pub api_server: Option<Arc<ApiServer>>,
     pub metrics: Arc<AgentMetrics>,
 }
 
@@ -110,9 +110,9 @@ impl DeviceSource for NodeResource {
         match self.kind {
             ResourceKind::Whole => self.state.prefer_whole(available, must, size),
             ResourceKind::Memory => {
-                let scorer_choice = match &self.cluster {
-                    Some(cluster) => {
-                        cluster
+                let scorer_choice = match &self.api_server {
+                    Some(api_server) => {
+                        api_server
                             .assigned_gpu(&self.state.mem_resource, size as u64, &self.state)
                             .await
                     }

@@ -7,6 +7,8 @@ use kube::CustomResource;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
+pub use crate::scorer::state::WorkloadClass;
+
 /// The request the claim steps down by, unless its spec says otherwise.
 pub const DEFAULT_STEP_MIB: u64 = 1000;
 /// How long a pod waits for GPU memory before the claim steps down, unless its spec says otherwise.
@@ -100,23 +102,6 @@ fn pod_template_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
         "description": "The pod to run: a PodTemplateSpec (metadata and spec).",
         "x-kubernetes-preserve-unknown-fields": true,
     })
-}
-
-/// The scorer's workload classes.
-#[derive(Deserialize, Serialize, Clone, Copy, Debug, PartialEq, Eq, JsonSchema)]
-#[serde(rename_all = "lowercase")]
-pub enum WorkloadClass {
-    Online,
-    Offline,
-}
-
-impl WorkloadClass {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            WorkloadClass::Online => "online",
-            WorkloadClass::Offline => "offline",
-        }
-    }
 }
 
 /// What the controller knows of the claim: everything it needs after a restart.

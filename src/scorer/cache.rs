@@ -11,7 +11,7 @@ use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client};
 use tokio_stream::StreamExt;
 
-use super::state::NodeState;
+use super::state::NodeSnapshot;
 
 /// Whether a cache has applied its first list from the API server (before that, a missing object may just
 /// not be read yet); it can be waited for.
@@ -43,7 +43,7 @@ type Hook<T> = Box<dyn Fn(&T) + Send + Sync>;
 #[derive(Default)]
 struct View {
     /// A fast hash: every decision looks up every candidate node by name.
-    nodes: HashMap<String, Arc<NodeState>, foldhash::fast::RandomState>,
+    nodes: HashMap<String, Arc<NodeSnapshot>, foldhash::fast::RandomState>,
     /// Names seen since the current (re)list began; on its end, the others are gone.
     relist: Option<HashSet<String>>,
 }
@@ -53,7 +53,7 @@ pub struct NodeCache {
     view: RwLock<View>,
     synced: Synced,
     /// Told every node version as it arrives (see [`NodeCache::on_update`]).
-    on_update: OnceLock<Hook<NodeState>>,
+    on_update: OnceLock<Hook<NodeSnapshot>>,
     /// Keeps a hand-fed store's writer alive (see [`NodeCache::from_nodes`]).
     _writer: Option<reflector::store::Writer<Node>>,
     _store: Store<Node>,
@@ -132,7 +132,7 @@ impl NodeCache {
                 let current = self.read().nodes.get(name).cloned();
                 let state = match current {
                     Some(s) if !rv.is_empty() && s.resource_version == rv => s,
-                    _ => Arc::new(NodeState::from_node(node)),
+                    _ => Arc::new(NodeSnapshot::from_node(node)),
                 };
                 if let Some(on_update) = self.on_update.get() {
                     on_update(&state);
@@ -164,7 +164,7 @@ impl NodeCache {
 
     /// Calls `f` with every node version from now on (once: a second hook is ignored). The ledger hears
     /// of each usage annotation this way, including versions no decision happens to read.
-    pub fn on_update(&self, f: impl Fn(&NodeState) + Send + Sync + 'static) {
+    pub fn on_update(&self, f: impl Fn(&NodeSnapshot) + Send + Sync + 'static) {
         let _ = self.on_update.set(Box::new(f));
     }
 
@@ -174,7 +174,7 @@ impl NodeCache {
     }
 
     /// Node `name`'s GPU state, if the cache has the node.
-    pub fn get(&self, name: &str) -> Option<Arc<NodeState>> {
+    pub fn get(&self, name: &str) -> Option<Arc<NodeSnapshot>> {
         self.read().nodes.get(name).cloned()
     }
 
@@ -183,8 +183,8 @@ impl NodeCache {
     pub fn get_many<'a>(
         &self,
         names: impl IntoIterator<Item = &'a str>,
-        missing: impl Fn(&str) -> Arc<NodeState>,
-    ) -> Vec<Arc<NodeState>> {
+        missing: impl Fn(&str) -> Arc<NodeSnapshot>,
+    ) -> Vec<Arc<NodeSnapshot>> {
         let view = self.read();
         names
             .into_iter()
@@ -193,8 +193,8 @@ impl NodeCache {
     }
 
     /// Every node's GPU state, by name.
-    pub fn all(&self) -> Vec<Arc<NodeState>> {
-        let mut all: Vec<Arc<NodeState>> = self.read().nodes.values().cloned().collect();
+    pub fn all(&self) -> Vec<Arc<NodeSnapshot>> {
+        let mut all: Vec<Arc<NodeSnapshot>> = self.read().nodes.values().cloned().collect();
         all.sort_by(|a, b| a.name.cmp(&b.name));
         all
     }
@@ -323,7 +323,7 @@ struct RawInner {
 
 struct RawEntry {
     text: Box<str>,
-    state: Arc<NodeState>,
+    state: Arc<NodeSnapshot>,
     used: u64,
 }
 
@@ -366,9 +366,9 @@ impl RawNodeCache {
     }
 
     /// The parsed state of each node in `items`, in order.
-    pub fn states(&self, items: &[Box<serde_json::value::RawValue>]) -> Vec<Arc<NodeState>> {
+    pub fn states(&self, items: &[Box<serde_json::value::RawValue>]) -> Vec<Arc<NodeSnapshot>> {
         let hashes: Vec<u64> = items.iter().map(|n| text_hash(n.get().as_bytes())).collect();
-        let mut out: Vec<Option<Arc<NodeState>>> = Vec::with_capacity(items.len());
+        let mut out: Vec<Option<Arc<NodeSnapshot>>> = Vec::with_capacity(items.len());
         let generation = {
             let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
             inner.generation += 1;
@@ -388,7 +388,7 @@ impl RawNodeCache {
         let mut new = Vec::new();
         for (k, slot) in out.iter_mut().enumerate() {
             if slot.is_none() {
-                let state = Arc::new(NodeState::from_json_str(items[k].get()));
+                let state = Arc::new(NodeSnapshot::from_json_str(items[k].get()));
                 new.push(k);
                 *slot = Some(state);
             }
@@ -521,7 +521,7 @@ mod tests {
         cache.apply(&watcher::Event::InitDone);
         let names: Vec<String> = cache.all().iter().map(|n| n.name.clone()).collect();
         assert_eq!(names, ["c"]);
-        let stand_in = |name: &str| Arc::new(NodeState::broken(name, "missing".into()));
+        let stand_in = |name: &str| Arc::new(NodeSnapshot::broken(name, "missing".into()));
         assert_eq!(
             cache
                 .get_many(["c", "zz"], stand_in)

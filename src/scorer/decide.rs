@@ -9,7 +9,7 @@ use std::sync::{Arc, Weak};
 use rand::SeedableRng;
 
 use super::Config;
-use super::state::{Demand, NodeState, PodDemand, TopologyNeed, WorkloadClass};
+use super::state::{Demand, NodeSnapshot, PodDemand, TopologyNeed, WorkloadClass};
 use crate::alloc::local::{PairScores, best_gpu_set, pair_score};
 use crate::alloc::{self, Cluster, Gpu, GpuDemand, GpuMask, ModelTable, Request, TypicalMix};
 use crate::gpu::TopologyLevel;
@@ -66,7 +66,7 @@ pub struct Fit {
 
 /// Can `node` host `pod`? Looks only at GPUs: kube-scheduler checks CPU, memory, taints and affinity.
 /// Runs for every candidate node of every call: it allocates only to explain a rejection.
-pub fn check(node: &NodeState, pod: &PodDemand) -> Result<Fit, Rejection> {
+pub fn check(node: &NodeSnapshot, pod: &PodDemand) -> Result<Fit, Rejection> {
     if let Some(problem) = &node.problem {
         return Err(Rejection::new(problem.clone(), "bad_annotation", true));
     }
@@ -187,7 +187,7 @@ pub fn check(node: &NodeState, pod: &PodDemand) -> Result<Fit, Rejection> {
 }
 
 /// How many of `node`'s GPUs are of a model `pod` allows, and which of those are healthy.
-fn allowed_models(node: &NodeState, pod: &PodDemand) -> (usize, GpuMask) {
+fn allowed_models(node: &NodeSnapshot, pod: &PodDemand) -> (usize, GpuMask) {
     let mut allowed = 0usize;
     let mut eligible = GpuMask::EMPTY;
     let mut last: Option<(&str, bool)> = None;
@@ -208,9 +208,9 @@ fn allowed_models(node: &NodeState, pod: &PodDemand) -> (usize, GpuMask) {
     (allowed, eligible)
 }
 
-/// NVLink links from each GPU to each other one, by position (`n x n`): what [`GpuState::nvlinks_to`]
+/// NVLink links from each GPU to each other one, by position (`n x n`): what [`GpuSnapshot::nvlinks_to`]
 /// answers, read once (it searches a list; the searches below ask for every pair, often).
-fn nvlink_table(node: &NodeState) -> Vec<u32> {
+fn nvlink_table(node: &NodeSnapshot) -> Vec<u32> {
     let n = node.gpus().len();
     let mut links = vec![0; n * n];
     for (a, g) in node.gpus().iter().enumerate() {
@@ -225,7 +225,7 @@ fn nvlink_table(node: &NodeState) -> Vec<u32> {
 }
 
 /// Pair scores of a node's GPUs from the topology annotation (see [`pair_score`]).
-pub fn pair_scores(node: &NodeState) -> PairScores {
+pub fn pair_scores(node: &NodeSnapshot) -> PairScores {
     let n = node.gpus().len();
     let links = nvlink_table(node);
     PairScores::new(n, |a, b| {
@@ -252,7 +252,12 @@ fn set_score(scores: &PairScores, set: &[usize]) -> u64 {
 }
 
 /// The best `n` idle GPUs meeting `need`, with their pair score.
-fn topology_set(node: &NodeState, idle: &[usize], n: usize, need: TopologyNeed) -> Option<(Vec<usize>, u64)> {
+fn topology_set(
+    node: &NodeSnapshot,
+    idle: &[usize],
+    n: usize,
+    need: TopologyNeed,
+) -> Option<(Vec<usize>, u64)> {
     let scores = pair_scores(node);
     let groups: Vec<Vec<usize>> = match need {
         TopologyNeed::Any => vec![idle.to_vec()],
@@ -291,7 +296,7 @@ pub const NVLINK_SEARCH_STEPS: u32 = 20_000;
 /// The best-scoring set of `n` idle GPUs that are all NVLinked pairwise, searched in order of position
 /// (the first of equal sets wins) within [`NVLINK_SEARCH_STEPS`].
 fn nvlink_clique(
-    node: &NodeState,
+    node: &NodeSnapshot,
     scores: &PairScores,
     idle: &[usize],
     n: usize,
@@ -433,7 +438,7 @@ struct View {
 struct Written {
     /// Only its address is compared: a weak reference keeps the allocation (the address stays this
     /// node's) without keeping the node's GPUs in memory once no cache holds them.
-    node: Weak<NodeState>,
+    node: Weak<NodeSnapshot>,
     eligible: GpuMask,
     cpu: u64,
     memory: u64,
@@ -465,7 +470,7 @@ impl View {
     }
 
     /// Writes `node` as `pod` sees it (only `fit.eligible` GPUs have free memory) at its position.
-    fn place(&mut self, node: &Arc<NodeState>, fit: &Fit, pod: &PodDemand) -> u32 {
+    fn place(&mut self, node: &Arc<NodeSnapshot>, fit: &Fit, pod: &PodDemand) -> u32 {
         // kube-scheduler checks CPU and memory; the policy must not refuse on them.
         let cpu = node.cpu_milli.max(pod.cpu_milli);
         let memory = node.memory_mib.max(pod.memory_mib);
@@ -614,7 +619,7 @@ impl View {
 /// The online weight follows the share of GPU memory allocated over `nodes`. `cache` keeps the
 /// policy's view between calls (a fresh [`PolicyCache`] gives the same answers, only slower).
 pub fn prioritize(
-    nodes: &[Arc<NodeState>],
+    nodes: &[Arc<NodeSnapshot>],
     pod: &PodDemand,
     cfg: &Config,
     cache: &PolicyCache,
@@ -788,7 +793,7 @@ pub struct Fragmentation {
 /// The fragmentation of `nodes` by the shared policy's measure ([`alloc::frag`], FGD's, against the
 /// configured typical mix), as a share of idle GPU memory; and the allocated share. Unhealthy GPUs and
 /// nodes with bad annotations count nowhere.
-pub fn fragmentation(nodes: &[&NodeState], cfg: &Config) -> Fragmentation {
+pub fn fragmentation(nodes: &[&NodeSnapshot], cfg: &Config) -> Fragmentation {
     let mut models = ModelTable::default();
     let view: Vec<(&str, alloc::Node)> = nodes
         .iter()
@@ -830,19 +835,19 @@ pub fn fragmentation(nodes: &[&NodeState], cfg: &Config) -> Fragmentation {
 
 #[cfg(test)]
 mod tests {
-    use super::super::state::GpuState;
+    use super::super::state::GpuSnapshot;
     use super::*;
 
-    fn gpu(i: usize, memory: u64, free: u64) -> GpuState {
-        GpuState {
+    fn gpu(i: usize, memory: u64, free: u64) -> GpuSnapshot {
+        GpuSnapshot {
             numa_node: Some((i / 4) as u32),
             pcie_switch: Some((i / 2) as u32),
-            ..GpuState::for_tests(i, "NVIDIA A100-SXM4-80GB", memory, memory - free)
+            ..GpuSnapshot::for_tests(i, "NVIDIA A100-SXM4-80GB", memory, memory - free)
         }
     }
 
-    fn node(name: &str, gpus: Vec<GpuState>) -> NodeState {
-        let mut node = NodeState::with_gpus(name, 1, gpus);
+    fn node(name: &str, gpus: Vec<GpuSnapshot>) -> NodeSnapshot {
+        let mut node = NodeSnapshot::with_gpus(name, 1, gpus);
         (node.cpu_milli, node.memory_mib) = (64_000, 512_000);
         node
     }
@@ -946,7 +951,7 @@ mod tests {
     #[test]
     fn topology_needs_pick_qualifying_sets() {
         // 4 idle GPUs: 0,1 on switch 0 / NUMA 0, 2,3 on switch 1 / NUMA 0; 4 is on NUMA 1.
-        let mut gpus: Vec<GpuState> = (0..5).map(|i| gpu(i, 16384, 16384)).collect();
+        let mut gpus: Vec<GpuSnapshot> = (0..5).map(|i| gpu(i, 16384, 16384)).collect();
         gpus[4].numa_node = Some(1);
         gpus[4].pcie_switch = Some(9);
         gpus[2].nvlink = vec![(4, 2)];
@@ -992,7 +997,7 @@ mod tests {
         let mut found = 0;
         for _ in 0..400 {
             let count = 2 + next(7) as usize;
-            let mut gpus: Vec<GpuState> = (0..count).map(|i| gpu(i, 81920, 81920)).collect();
+            let mut gpus: Vec<GpuSnapshot> = (0..count).map(|i| gpu(i, 81920, 81920)).collect();
             for (a, g) in gpus.iter_mut().enumerate() {
                 g.whole = next(5) == 0;
                 g.nvlink = Vec::new();
@@ -1032,8 +1037,8 @@ mod tests {
     #[test]
     fn the_largest_node_and_pod_get_a_set_within_the_search_bounds() {
         // 64 GPUs (node::MAX_GPUS), every pair NVLinked: 32 of them all linked, or any 61.
-        let gpus: Vec<GpuState> = (0..64)
-            .map(|i| GpuState {
+        let gpus: Vec<GpuSnapshot> = (0..64)
+            .map(|i| GpuSnapshot {
                 nvlink: (0..64).filter(|&p| p != i).map(|p| (p, 18)).collect(),
                 ..gpu(i, 81920, 81920)
             })
@@ -1056,7 +1061,7 @@ mod tests {
         let cfg = Config::default();
         let kept = PolicyCache::default();
         // Shared states, changed as the node cache changes them: a new state for a new version.
-        let mut nodes: Vec<Arc<NodeState>> = (0..7)
+        let mut nodes: Vec<Arc<NodeSnapshot>> = (0..7)
             .map(|i| {
                 let gpus = (0..4)
                     .map(|g| gpu(g, 16384, [16384, 9000, 6000, 12000][(i + g) % 4]))
@@ -1065,8 +1070,8 @@ mod tests {
             })
             .collect();
         // Answers by node name, whatever the order of the call.
-        let run = |nodes: &[Arc<NodeState>], order: &[usize], p: &PodDemand, cache: &PolicyCache| {
-            let refs: Vec<Arc<NodeState>> = order.iter().map(|&i| nodes[i].clone()).collect();
+        let run = |nodes: &[Arc<NodeSnapshot>], order: &[usize], p: &PodDemand, cache: &PolicyCache| {
+            let refs: Vec<Arc<NodeSnapshot>> = order.iter().map(|&i| nodes[i].clone()).collect();
             let mut answers: Vec<(String, Option<Scored>)> = refs
                 .iter()
                 .map(|n| n.name.clone())

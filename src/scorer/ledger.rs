@@ -13,7 +13,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use super::state::{GpuState, NodeState};
+use super::state::{GpuSnapshot, NodeSnapshot};
 
 /// One bind in flight.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -49,13 +49,13 @@ impl Ledger {
 
     /// Subtracts this node's reservations from `node` (dropping those the annotation already shows, and
     /// expired ones). Returns how many MiB were taken.
-    pub fn apply(&self, node: &mut NodeState) -> u64 {
+    pub fn apply(&self, node: &mut NodeSnapshot) -> u64 {
         let mut nodes = self.lock();
         apply_locked(&mut nodes, self.ttl, node)
     }
 
     /// Applies reservations to many nodes under one lock (copying only the nodes that have some).
-    pub fn apply_arcs(&self, states: &mut [Arc<NodeState>]) {
+    pub fn apply_arcs(&self, states: &mut [Arc<NodeSnapshot>]) {
         let mut nodes = self.lock();
         if nodes.is_empty() {
             return;
@@ -71,8 +71,8 @@ impl Ledger {
     /// the choice. `choose` returns the reservation or why nothing fits.
     pub fn reserve(
         &self,
-        node: &mut NodeState,
-        choose: impl FnOnce(&NodeState) -> Result<Reservation, String>,
+        node: &mut NodeSnapshot,
+        choose: impl FnOnce(&NodeSnapshot) -> Result<Reservation, String>,
     ) -> Result<Reservation, String> {
         let mut nodes = self.lock();
         apply_locked(&mut nodes, self.ttl, node);
@@ -82,7 +82,7 @@ impl Ledger {
     }
 
     /// Ends the reservations that `node`'s usage annotation shows: the agent accounts for them now.
-    pub fn confirm(&self, node: &NodeState) {
+    pub fn confirm(&self, node: &NodeSnapshot) {
         let mut nodes = self.lock();
         if let Some(list) = nodes.get_mut(&node.name) {
             list.retain(|r| !shown(r, node.gpus()));
@@ -120,7 +120,11 @@ impl Ledger {
     }
 }
 
-fn apply_locked(nodes: &mut HashMap<String, Vec<Reservation>>, ttl: Duration, node: &mut NodeState) -> u64 {
+fn apply_locked(
+    nodes: &mut HashMap<String, Vec<Reservation>>,
+    ttl: Duration,
+    node: &mut NodeSnapshot,
+) -> u64 {
     let Some(list) = nodes.get_mut(&node.name) else {
         return 0;
     };
@@ -134,14 +138,14 @@ fn apply_locked(nodes: &mut HashMap<String, Vec<Reservation>>, ttl: Duration, no
 }
 
 /// Whether the usage annotation behind `gpus` lists `r`'s pod on one of its GPUs.
-fn shown(r: &Reservation, gpus: &[GpuState]) -> bool {
+fn shown(r: &Reservation, gpus: &[GpuSnapshot]) -> bool {
     r.gpus
         .iter()
         .any(|(p, _)| gpus.get(*p).is_some_and(|g| g.pods.contains(&r.pod)))
 }
 
 /// Takes what `r` holds out of `node`'s free memory; returns the MiB taken.
-pub fn subtract(node: &mut NodeState, r: &Reservation) -> u64 {
+pub fn subtract(node: &mut NodeSnapshot, r: &Reservation) -> u64 {
     let mut taken = 0;
     let mut gpus = node.gpus_mut();
     for (p, uuid) in &r.gpus {
@@ -168,17 +172,17 @@ pub fn subtract(node: &mut NodeState, r: &Reservation) -> u64 {
 mod tests {
     use super::*;
 
-    fn node(free: &[u64]) -> NodeState {
+    fn node(free: &[u64]) -> NodeSnapshot {
         let gpus = free
             .iter()
             .enumerate()
-            .map(|(i, &f)| GpuState::for_tests(i, "m", 8000, 8000 - f))
+            .map(|(i, &f)| GpuSnapshot::for_tests(i, "m", 8000, 8000 - f))
             .collect();
-        NodeState::with_gpus("n", 1, gpus)
+        NodeSnapshot::with_gpus("n", 1, gpus)
     }
 
-    fn take(pod: &str, mib: u64) -> impl FnOnce(&NodeState) -> Result<Reservation, String> {
-        move |n: &NodeState| {
+    fn take(pod: &str, mib: u64) -> impl FnOnce(&NodeSnapshot) -> Result<Reservation, String> {
+        move |n: &NodeSnapshot| {
             let p = n
                 .gpus()
                 .iter()

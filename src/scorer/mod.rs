@@ -45,7 +45,7 @@ use self::extender::{
 use self::ledger::{Ledger, Reservation};
 use self::metrics::{Metrics, ReasonLabel, VerbLabel};
 use self::preempt::VictimInfo;
-use self::state::{ClassRules, NodeState, PodDemand};
+use self::state::{ClassRules, NodeSnapshot, PodDemand};
 use crate::node::{ASSIGNED_AT_ANNOTATION, ASSIGNED_GPUS_ANNOTATION};
 use crate::tls::TlsFiles;
 
@@ -234,7 +234,7 @@ pub struct Scorer {
     /// The policy's view of the cluster, kept between `prioritize` calls.
     policy_cache: decide::PolicyCache,
     /// Without a node cache: the nodes of the last `Nodes`-form call (for the cluster gauges).
-    last_nodes: Mutex<Vec<Arc<NodeState>>>,
+    last_nodes: Mutex<Vec<Arc<NodeSnapshot>>>,
     /// When the cluster gauges were last computed.
     gauges_at: Mutex<Option<Instant>>,
     /// What the last few `filter` calls kept (see [`Kept`]).
@@ -248,7 +248,7 @@ pub struct Scorer {
 struct Kept {
     pod_uid: String,
     names: NodeNames,
-    states: Vec<Arc<NodeState>>,
+    states: Vec<Arc<NodeSnapshot>>,
     at: Instant,
 }
 
@@ -359,7 +359,7 @@ impl Scorer {
             None => self.last_nodes.lock().unwrap_or_else(|e| e.into_inner()).clone(),
         };
         self.ledger.apply_arcs(&mut states);
-        let refs: Vec<&NodeState> = states.iter().map(|s| s.as_ref()).collect();
+        let refs: Vec<&NodeSnapshot> = states.iter().map(|s| s.as_ref()).collect();
         self.metrics
             .set_fragmentation(&decide::fragmentation(&refs, &self.config));
     }
@@ -376,8 +376,8 @@ impl Scorer {
     }
 
     /// The candidate nodes' states (ledger applied), from the `Nodes` list or from the cache.
-    fn candidates(&self, args: &ExtenderArgs) -> Result<Vec<Arc<NodeState>>, BadRequest> {
-        let mut states: Vec<Arc<NodeState>> = if let Some(list) = &args.nodes {
+    fn candidates(&self, args: &ExtenderArgs) -> Result<Vec<Arc<NodeSnapshot>>, BadRequest> {
+        let mut states: Vec<Arc<NodeSnapshot>> = if let Some(list) = &args.nodes {
             let states = self.raw_nodes.states(&list.items);
             if self.nodes.is_none() {
                 *self.last_nodes.lock().unwrap_or_else(|e| e.into_inner()) = states.clone();
@@ -391,7 +391,7 @@ impl Scorer {
                 ));
             };
             cache.get_many(names.iter(), |name| {
-                Arc::new(NodeState::broken(
+                Arc::new(NodeSnapshot::broken(
                     name,
                     "node is not (yet) in the scorer's node cache".into(),
                 ))
@@ -502,7 +502,7 @@ impl Scorer {
     }
 
     /// The states the last `filter` of this pod kept, if `args` lists exactly those names (see [`Kept`]).
-    fn kept_by_filter(&self, args: &ExtenderArgs) -> Option<Vec<Arc<NodeState>>> {
+    fn kept_by_filter(&self, args: &ExtenderArgs) -> Option<Vec<Arc<NodeSnapshot>>> {
         let names = args.node_names.as_ref().filter(|_| args.nodes.is_none())?;
         let pod_uid = pod_uid(args.pod.as_ref())?;
         let mut all = self.kept.lock().unwrap_or_else(|e| e.into_inner());
@@ -539,7 +539,7 @@ impl Scorer {
     }
 
     /// The GPU state of one node: from the cache, else from the API server.
-    async fn node_state(&self, name: &str) -> Result<NodeState, String> {
+    async fn node_state(&self, name: &str) -> Result<NodeSnapshot, String> {
         if let Some(s) = self.nodes.as_ref().and_then(|c| c.get(name)) {
             return Ok((*s).clone());
         }
@@ -551,7 +551,7 @@ impl Scorer {
             .get(name)
             .await
             .map_err(|e| format!("reading node {name}: {e}"))?;
-        Ok(NodeState::from_node(&node))
+        Ok(NodeSnapshot::from_node(&node))
     }
 
     /// `bind`: choose the GPU(s), reserve them in the ledger, record them on the pod, create the Binding.
@@ -579,7 +579,7 @@ impl Scorer {
     /// cache sees bound there, carrying `gpumem.io/assigned-gpus` from within the ledger's TTL, that
     /// this replica's ledger does not hold. Replicas share no state; this is how one sees the others'
     /// recent binds before the agent reports them.
-    fn other_replicas_binds(&self, node: &NodeState) -> Vec<Reservation> {
+    fn other_replicas_binds(&self, node: &NodeSnapshot) -> Vec<Reservation> {
         let Some(pods) = &self.pods else { return Vec::new() };
         let ttl = self.config.ledger_ttl_seconds;
         let now = k8s_openapi::jiff::Timestamp::now();
@@ -834,7 +834,7 @@ impl Scorer {
     fn choose_victims(
         &self,
         d: &PodDemand,
-        nodes: Vec<(String, NodeState, ProposedVictims)>,
+        nodes: Vec<(String, NodeSnapshot, ProposedVictims)>,
         pdbs: Option<&[PodDisruptionBudget]>,
     ) -> ExtenderPreemptionResult {
         let mut result = ExtenderPreemptionResult::default();

@@ -11,7 +11,7 @@ use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
 
-use super::state::{Demand, NodeState, PodDemand, assigned_gpus, is_preemptible};
+use super::state::{Demand, NodeSnapshot, PodDemand, assigned_gpus, is_preemptible};
 
 /// What the scorer knows of one proposed victim.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -30,7 +30,7 @@ pub struct VictimInfo {
 impl VictimInfo {
     /// From the pod object, on `node` (`unit_mib` from the node). The GPUs come from the pod's
     /// assigned-GPUs annotation, or else from the usage annotation's pod lists.
-    pub fn from_pod(pod: &Pod, node: &NodeState) -> VictimInfo {
+    pub fn from_pod(pod: &Pod, node: &NodeSnapshot) -> VictimInfo {
         let key = format!(
             "{}/{}",
             pod.metadata.namespace.as_deref().unwrap_or("default"),
@@ -71,7 +71,7 @@ impl VictimInfo {
 /// The victims to keep on one node (indices into `victims`, in their order) and their PDB violations;
 /// `None` when preempting there cannot make room for `pod`'s GPUs from preemptible pods.
 pub fn select_victims(
-    node: &NodeState,
+    node: &NodeSnapshot,
     pod: &PodDemand,
     victims: &[VictimInfo],
     num_pdb_violations: i64,
@@ -224,16 +224,16 @@ pub fn selector_matches(selector: &LabelSelector, labels: &BTreeMap<String, Stri
 
 #[cfg(test)]
 mod tests {
-    use super::super::state::{GpuState, TopologyNeed, WorkloadClass};
+    use super::super::state::{GpuSnapshot, TopologyNeed, WorkloadClass};
     use super::*;
 
-    fn node(allocated: &[u64]) -> NodeState {
+    fn node(allocated: &[u64]) -> NodeSnapshot {
         let gpus = allocated
             .iter()
             .enumerate()
-            .map(|(i, &a)| GpuState::for_tests(i, "m", 8192, a))
+            .map(|(i, &a)| GpuSnapshot::for_tests(i, "m", 8192, a))
             .collect();
-        NodeState::with_gpus("n", 1, gpus)
+        NodeSnapshot::with_gpus("n", 1, gpus)
     }
 
     fn victim(uid: &str, gpu: usize, mib: u64, preemptible: bool, pdb: bool) -> VictimInfo {

@@ -1,7 +1,7 @@
 //! What the scorer knows: each Node's GPUs (from the agent's annotations) and what a pod asks for.
 //!
 //! A node whose annotations are missing, hand-edited or of an unknown version is kept with a
-//! [`NodeState::problem`]: it is unschedulable for GPU pods, and the problem is the reason given.
+//! [`NodeSnapshot::problem`]: it is unschedulable for GPU pods, and the problem is the reason given.
 
 use std::collections::BTreeMap;
 
@@ -36,7 +36,7 @@ pub const PREEMPTIBLE_KEY: &str = "gpumem.io/preemptible";
 
 /// One GPU as the scorer sees it.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct GpuState {
+pub struct GpuSnapshot {
     pub index: u32,
     pub uuid: String,
     pub model: String,
@@ -47,17 +47,17 @@ pub struct GpuState {
     pub healthy: bool,
     pub numa_node: Option<u32>,
     pub pcie_switch: Option<u32>,
-    /// NVLink links to other GPUs, by their position in [`NodeState::gpus`].
+    /// NVLink links to other GPUs, by their position in [`NodeSnapshot::gpus`].
     pub nvlink: Vec<(usize, u32)>,
     /// `namespace/name` of the pods the agent reports on this GPU.
     pub pods: Vec<String>,
 }
 
-impl GpuState {
+impl GpuSnapshot {
     /// A healthy GPU `GPU-<index>` with `allocated_mib` of `memory_mib` in use, outside any topology.
     #[cfg(test)]
-    pub(crate) fn for_tests(index: usize, model: &str, memory_mib: u64, allocated_mib: u64) -> GpuState {
-        GpuState {
+    pub(crate) fn for_tests(index: usize, model: &str, memory_mib: u64, allocated_mib: u64) -> GpuSnapshot {
+        GpuSnapshot {
             index: index as u32,
             uuid: format!("GPU-{index}"),
             model: model.into(),
@@ -94,15 +94,15 @@ impl GpuState {
 
 /// One node as the scorer sees it.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct NodeState {
+pub struct NodeSnapshot {
     pub name: String,
     pub resource_version: String,
     /// MiB per `nvidia.com/gpu-mem` unit.
     pub unit_mib: u64,
     pub cpu_milli: u64,
     pub memory_mib: u64,
-    /// By GPU index, increasing; changed only through [`NodeState::gpus_mut`], which keeps `summary` true.
-    gpus: Vec<GpuState>,
+    /// By GPU index, increasing; changed only through [`NodeSnapshot::gpus_mut`], which keeps `summary` true.
+    gpus: Vec<GpuSnapshot>,
     summary: GpuSummary,
     /// Why GPU pods cannot go here (bad or missing annotations), if they cannot.
     pub problem: Option<String>,
@@ -125,7 +125,7 @@ pub struct GpuSummary {
 }
 
 impl GpuSummary {
-    fn of(gpus: &[GpuState]) -> GpuSummary {
+    fn of(gpus: &[GpuSnapshot]) -> GpuSummary {
         let mut s = GpuSummary::default();
         // Node states from annotations hold at most MAX_GPUS_PER_NODE GPUs (a mask's width).
         for (p, g) in gpus.iter().enumerate().take(MAX_GPUS_PER_NODE) {
@@ -144,17 +144,17 @@ impl GpuSummary {
 }
 
 /// Write access to a node's GPUs; the node's [`GpuSummary`] is brought up to date when it is dropped.
-pub struct GpusMut<'a>(&'a mut NodeState);
+pub struct GpusMut<'a>(&'a mut NodeSnapshot);
 
 impl std::ops::Deref for GpusMut<'_> {
-    type Target = Vec<GpuState>;
-    fn deref(&self) -> &Vec<GpuState> {
+    type Target = Vec<GpuSnapshot>;
+    fn deref(&self) -> &Vec<GpuSnapshot> {
         &self.0.gpus
     }
 }
 
 impl std::ops::DerefMut for GpusMut<'_> {
-    fn deref_mut(&mut self) -> &mut Vec<GpuState> {
+    fn deref_mut(&mut self) -> &mut Vec<GpuSnapshot> {
         &mut self.0.gpus
     }
 }
@@ -165,10 +165,10 @@ impl Drop for GpusMut<'_> {
     }
 }
 
-impl NodeState {
+impl NodeSnapshot {
     /// A node with these GPUs (and no CPU or memory figures).
-    pub fn with_gpus(name: &str, unit_mib: u64, gpus: Vec<GpuState>) -> NodeState {
-        let mut node = NodeState::broken(name, String::new());
+    pub fn with_gpus(name: &str, unit_mib: u64, gpus: Vec<GpuSnapshot>) -> NodeSnapshot {
+        let mut node = NodeSnapshot::broken(name, String::new());
         node.problem = None;
         node.unit_mib = unit_mib;
         *node.gpus_mut() = gpus;
@@ -176,7 +176,7 @@ impl NodeState {
     }
 
     /// The GPUs, by index.
-    pub fn gpus(&self) -> &[GpuState] {
+    pub fn gpus(&self) -> &[GpuSnapshot] {
         &self.gpus
     }
 
@@ -189,13 +189,13 @@ impl NodeState {
     }
 
     /// From a Node object.
-    pub fn from_node(node: &Node) -> NodeState {
+    pub fn from_node(node: &Node) -> NodeSnapshot {
         let empty = BTreeMap::new();
         let labels = node.metadata.labels.as_ref().unwrap_or(&empty);
         let annotations = node.metadata.annotations.as_ref().unwrap_or(&empty);
         let allocatable = node.status.as_ref().and_then(|s| s.allocatable.as_ref());
         let quantity = |k: &str| allocatable.and_then(|a| a.get(k)).map(|q| q.0.as_str());
-        NodeState::from_parts(
+        NodeSnapshot::from_parts(
             node.metadata.name.as_deref().unwrap_or(""),
             node.metadata.resource_version.as_deref().unwrap_or(""),
             labels,
@@ -207,9 +207,9 @@ impl NodeState {
 
     /// From a Node in raw JSON text (the `Nodes` form of the extender protocol): only the fields the
     /// scorer uses are decoded, everything else is skipped.
-    pub fn from_json_str(node: &str) -> NodeState {
+    pub fn from_json_str(node: &str) -> NodeSnapshot {
         match serde_json::from_str::<NodeView>(node) {
-            Ok(v) => NodeState::from_parts(
+            Ok(v) => NodeSnapshot::from_parts(
                 &v.metadata.name,
                 &v.metadata.resource_version,
                 &v.metadata.labels,
@@ -232,14 +232,14 @@ impl NodeState {
                     .ok()
                     .and_then(|n| n.metadata.name)
                     .unwrap_or_default();
-                NodeState::broken(&name, format!("node object cannot be read: {e}"))
+                NodeSnapshot::broken(&name, format!("node object cannot be read: {e}"))
             }
         }
     }
 
     /// A node GPU pods cannot go to, for `problem`.
-    pub fn broken(name: &str, problem: String) -> NodeState {
-        NodeState {
+    pub fn broken(name: &str, problem: String) -> NodeSnapshot {
+        NodeSnapshot {
             name: name.to_string(),
             resource_version: String::new(),
             unit_mib: 1,
@@ -259,8 +259,8 @@ impl NodeState {
         annotations: &BTreeMap<String, String>,
         cpu: Option<&str>,
         memory: Option<&str>,
-    ) -> NodeState {
-        let mut state = NodeState::broken(name, String::new());
+    ) -> NodeSnapshot {
+        let mut state = NodeSnapshot::broken(name, String::new());
         state.resource_version = resource_version.to_string();
         let read = |q: Option<&str>, value: fn(&Quantity) -> Result<u64, QuantityError>| {
             q.and_then(|q| Quantity::parse(q).and_then(|q| value(&q)).ok())
@@ -311,7 +311,7 @@ fn read_gpus(
     node: &str,
     labels: &BTreeMap<String, String>,
     annotations: &BTreeMap<String, String>,
-) -> Result<(u64, Vec<GpuState>), String> {
+) -> Result<(u64, Vec<GpuSnapshot>), String> {
     let refused = |e: AnnotationError| {
         // Not a typo or an old agent: a node claiming more than any real one (a compromised node?).
         if matches!(e, AnnotationError::Refused { .. }) {
@@ -344,7 +344,7 @@ fn read_gpus(
     let mut topo = topology.gpus;
     topo.sort_by_key(|g| g.index);
     let position = |index: u32| topo.iter().position(|g| g.index == index);
-    let mut gpus: Vec<GpuState> = Vec::with_capacity(topo.len());
+    let mut gpus: Vec<GpuSnapshot> = Vec::with_capacity(topo.len());
     for g in &topo {
         let mut nvlink = Vec::new();
         for peer in &g.nvlink_peers {
@@ -356,7 +356,7 @@ fn read_gpus(
             })?;
             nvlink.push((p, peer.links));
         }
-        gpus.push(GpuState {
+        gpus.push(GpuSnapshot {
             index: g.index,
             uuid: g.uuid.clone(),
             model: g.model.clone(),
@@ -411,11 +411,22 @@ fn read_gpus(
     Ok((unit, gpus))
 }
 
-/// Latency-sensitive work spreads; batch work packs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// Latency-sensitive work spreads; batch work packs. Written `online` / `offline` (the value of
+/// [`WORKLOAD_CLASS_KEY`], and a GPUClaim's `workloadClass`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "lowercase")]
 pub enum WorkloadClass {
     Online,
     Offline,
+}
+
+impl WorkloadClass {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            WorkloadClass::Online => "online",
+            WorkloadClass::Offline => "offline",
+        }
+    }
 }
 
 /// What a multi-GPU pod needs of the set of GPUs it gets.
@@ -681,7 +692,7 @@ mod tests {
     fn reads_gpus_and_reports_hand_edits() {
         let usage = r#"{"version":1,"gpus":[{"index":0,"allocatedMiB":1000,"mode":"shared","pods":["a/b"]},
             {"index":1,"allocatedMiB":0,"mode":"free","pods":[]}]}"#;
-        let n = NodeState::from_parts(
+        let n = NodeSnapshot::from_parts(
             "n",
             "1",
             &BTreeMap::new(),
@@ -695,7 +706,7 @@ mod tests {
         assert_eq!((n.cpu_milli, n.memory_mib), (8000, 32768));
 
         let edited = usage.replace("\"allocatedMiB\":0", "\"allocatedMiB\":77");
-        let n = NodeState::from_parts(
+        let n = NodeSnapshot::from_parts(
             "n",
             "1",
             &BTreeMap::new(),
@@ -711,20 +722,20 @@ mod tests {
         );
 
         let typo = usage.replace("allocatedMiB", "allocatedMB");
-        let n = NodeState::from_parts("n", "1", &BTreeMap::new(), &annotations(TOPO, &typo), None, None);
+        let n = NodeSnapshot::from_parts("n", "1", &BTreeMap::new(), &annotations(TOPO, &typo), None, None);
         assert!(
             n.problem.as_deref().is_some_and(|p| p.contains(USAGE_ANNOTATION)),
             "{n:?}"
         );
 
         let labels = BTreeMap::from([(MEM_UNIT_LABEL.to_string(), "4".to_string())]);
-        let n = NodeState::from_parts("n", "1", &labels, &annotations(TOPO, usage), None, None);
+        let n = NodeSnapshot::from_parts("n", "1", &labels, &annotations(TOPO, usage), None, None);
         assert!(
             n.problem.as_deref().is_some_and(|p| p.contains("disagrees")),
             "{n:?}"
         );
 
-        let n = NodeState::from_parts("n", "1", &BTreeMap::new(), &BTreeMap::new(), None, None);
+        let n = NodeSnapshot::from_parts("n", "1", &BTreeMap::new(), &BTreeMap::new(), None, None);
         assert!(
             n.problem.as_deref().is_some_and(|p| p.contains("agent running")),
             "{n:?}"

@@ -33,13 +33,13 @@ const ROOM_LABEL_DELAY: Duration = Duration::from_millis(300);
 /// An API call made while a pod is being admitted may take this long.
 const LOOKUP_TIMEOUT: Duration = Duration::from_secs(1);
 
-pub struct Cluster {
+pub struct ApiServer {
     client: Client,
     node: String,
     recorder: Recorder,
 }
 
-impl Cluster {
+impl ApiServer {
     /// A client from the in-cluster service account or KUBECONFIG.
     pub async fn connect(node: String) -> anyhow::Result<Self> {
         let client = Client::try_default().await?;
