@@ -21,7 +21,7 @@ enum Command {
     /// Replay a GPU cluster trace through the placement policies and report allocation and fragmentation.
     Simulate(gpumem::sim::SimulateArgs),
     /// Run the kube-scheduler extender (Deployment): filter, prioritize, bind and preempt for GPU pods.
-    Scorer(gpumem::scorer::ScorerArgs),
+    Scorer(gpumem::scorer::cli::ScorerArgs),
     /// Make the certificates that authenticate kube-scheduler and the scorer to each other.
     Certs(gpumem::tls::certs::CertsArgs),
     /// GPU claims: GPU memory requests that step down while fragmentation keeps them unscheduled.
@@ -40,7 +40,7 @@ fn main() -> ExitCode {
         Command::Agent(args) => gpumem::agent::run(&args),
         Command::Inspect(args) => gpumem::inspect::run(&args),
         Command::Simulate(args) => gpumem::sim::run(&args),
-        Command::Scorer(args) => gpumem::scorer::run(&args),
+        Command::Scorer(args) => gpumem::scorer::cli::run(&args),
         Command::Certs(args) => gpumem::tls::certs::run(&args),
         Command::Claims(args) => gpumem::claim::run(&args),
     };

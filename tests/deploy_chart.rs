@@ -664,7 +664,7 @@ fn the_scorer_serves_the_verbs_over_tls_from_secrets_that_gpumem_certs_makes() {
     // The rendered configuration is one the scorer accepts, its files in the scorer's Secret.
     let cm: ConfigMap = get(&docs, "ConfigMap", "gpumem-scorer");
     let text = &cm.data.unwrap()["scorer.yaml"];
-    let config: gpumem::scorer::Config = serde_norway::from_str(text).unwrap();
+    let config: gpumem::scorer::config::Config = serde_norway::from_str(text).unwrap();
     config.validate().unwrap();
     let tls = config.tls.expect("tls on by default");
     let scorer: Deployment = get(&docs, "Deployment", "gpumem-scorer");
@@ -723,7 +723,8 @@ fn the_scorer_serves_the_verbs_over_tls_from_secrets_that_gpumem_certs_makes() {
     // Off: plain HTTP everywhere, no Secret needed, a configuration the scorer accepts.
     let plain = objects(&json!({"scorer": {"tls": {"enabled": false}}}));
     let cm: ConfigMap = get(&plain, "ConfigMap", "gpumem-scorer");
-    let config: gpumem::scorer::Config = serde_norway::from_str(&cm.data.unwrap()["scorer.yaml"]).unwrap();
+    let config: gpumem::scorer::config::Config =
+        serde_norway::from_str(&cm.data.unwrap()["scorer.yaml"]).unwrap();
     assert_eq!(config.tls, None);
     let scorer: Deployment = get(&plain, "Deployment", "gpumem-scorer");
     let spec = scorer.spec.unwrap().template.spec.unwrap();

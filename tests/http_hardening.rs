@@ -16,7 +16,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use gpumem::http::Limits;
-use gpumem::scorer::{Config, Scorer, server};
+use gpumem::scorer::config::Config;
+use gpumem::scorer::{Scorer, server};
 use scorer_support::{Conn, args_nodes, closed_within, g, node_json, pod_json};
 use serde_json::json;
 use support::agent::{Node, free_port};

@@ -17,8 +17,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
+use gpumem::scorer::Scorer;
 use gpumem::scorer::cache::NodeCache;
-use gpumem::scorer::{Config, Scorer};
+use gpumem::scorer::config::Config;
 use k8s_openapi::api::core::v1::Node;
 use kube::runtime::watcher;
 use serde_json::{Value, json};

@@ -7,8 +7,9 @@ mod scorer_support;
 use std::sync::Arc;
 use std::time::Duration;
 
+use gpumem::scorer::Scorer;
 use gpumem::scorer::cache::{NodeCache, PodCache};
-use gpumem::scorer::{Config, Scorer};
+use gpumem::scorer::config::Config;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use serde_json::{Value, json};
 

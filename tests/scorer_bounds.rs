@@ -7,9 +7,10 @@ mod scorer_support;
 
 use std::time::{Duration, Instant};
 
+use gpumem::scorer::Scorer;
 use gpumem::scorer::cache::NodeCache;
+use gpumem::scorer::config::Config;
 use gpumem::scorer::extender::{MAX_NODE_NAME_BYTES, MAX_NODES, MAX_VICTIM_PODS};
-use gpumem::scorer::{Config, Scorer};
 use k8s_openapi::api::core::v1::Node;
 use serde_json::{Value, json};
 

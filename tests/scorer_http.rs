@@ -3,8 +3,9 @@
 
 mod scorer_support;
 
+use gpumem::scorer::Scorer;
 use gpumem::scorer::cache::NodeCache;
-use gpumem::scorer::{Config, Scorer};
+use gpumem::scorer::config::Config;
 use k8s_openapi::api::core::v1::Node;
 use serde_json::{Value, json};
 

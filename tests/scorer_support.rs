@@ -11,7 +11,8 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use gpumem::scorer::{Config, Scorer, server};
+use gpumem::scorer::config::Config;
+use gpumem::scorer::{Scorer, server};
 use http_body_util::combinators::BoxBody;
 use http_body_util::{BodyExt, Full, StreamBody};
 use hyper::body::{Bytes, Incoming};

@@ -8,7 +8,7 @@ use std::sync::{Arc, Weak};
 
 use rand::SeedableRng;
 
-use super::Config;
+use super::config::Config;
 use super::state::{Demand, NodeSnapshot, PodDemand, TopologyNeed, WorkloadClass};
 use crate::alloc::local::{PairScores, best_gpu_set, pair_score};
 use crate::alloc::{self, Cluster, Gpu, GpuDemand, GpuMask, ModelTable, Request, TypicalMix};

@@ -1,0 +1,248 @@
+//! The `bind` verb: re-checks the node in the kept view, records the chosen GPUs on the pod and
+//! creates the Binding, holding a ledger reservation until the agent reports the allocation.
+
+use super::extender::{ExtenderBindingArgs, ExtenderBindingResult};
+use super::ledger::Reservation;
+use super::state::NodeSnapshot;
+use super::{Scorer, decide, ledger, state};
+use crate::node::{ASSIGNED_AT_ANNOTATION, ASSIGNED_GPUS_ANNOTATION};
+use k8s_openapi::api::core::v1::{Binding, Node, ObjectReference, Pod};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use kube::Api;
+use kube::api::{Patch, PatchParams, PostParams};
+use std::sync::Arc;
+use std::time::Instant;
+
+impl Scorer {
+    /// The GPU state of one node: from the cache, else from the API server.
+    pub(super) async fn node_state(&self, name: &str) -> Result<NodeSnapshot, String> {
+        if let Some(s) = self.nodes.as_ref().and_then(|c| c.get(name)) {
+            return Ok((*s).clone());
+        }
+        let client = self
+            .client
+            .clone()
+            .ok_or("this scorer has no Kubernetes client")?;
+        let node = Api::<Node>::all(client)
+            .get(name)
+            .await
+            .map_err(|e| format!("reading node {name}: {e}"))?;
+        Ok(NodeSnapshot::from_node(&node))
+    }
+
+    /// `bind`: choose the GPU(s), reserve them in the ledger, record them on the pod, create the Binding.
+    pub async fn bind(&self, args: ExtenderBindingArgs) -> ExtenderBindingResult {
+        let start = Instant::now();
+        let result = self.bind_inner(&args).await;
+        self.metrics.ledger.set(self.ledger.len() as i64);
+        self.observe("bind", start);
+        match result {
+            Ok(()) => ExtenderBindingResult::default(),
+            Err(e) => {
+                self.error("bind");
+                tracing::warn!(
+                    "bind {}/{} to {}: {e}",
+                    args.pod_namespace,
+                    args.pod_name,
+                    args.node
+                );
+                ExtenderBindingResult { error: e }
+            }
+        }
+    }
+
+    /// Binds other replicas made to `node` that its usage annotation does not show yet: pods the pod
+    /// cache sees bound there, carrying `gpumem.io/assigned-gpus` from within the ledger's TTL, that
+    /// this replica's ledger does not hold. Replicas share no state; this is how one sees the others'
+    /// recent binds before the agent reports them.
+    fn other_replicas_binds(&self, node: &NodeSnapshot) -> Vec<Reservation> {
+        let Some(pods) = &self.pods else { return Vec::new() };
+        let ttl = self.config.ledger_ttl_seconds;
+        let now = k8s_openapi::jiff::Timestamp::now();
+        pods.on_node(&node.name)
+            .iter()
+            .filter_map(|pod| {
+                let uuids = state::assigned_gpus(pod);
+                let at: k8s_openapi::jiff::Timestamp = pod
+                    .metadata
+                    .annotations
+                    .as_ref()?
+                    .get(ASSIGNED_AT_ANNOTATION)?
+                    .parse()
+                    .ok()?;
+                let age = now.duration_since(at).as_secs();
+                let d = state::pod_demand(pod, &self.rules).ok()??;
+                let visible = node.gpus().iter().any(|g| g.pods.contains(&d.key));
+                if uuids.is_empty()
+                    || age < 0
+                    || age as u64 >= ttl
+                    || visible
+                    || self.ledger.holds(&node.name, &d.key)
+                {
+                    return None;
+                }
+                let gpus: Vec<(usize, String)> = uuids
+                    .iter()
+                    .filter_map(|u| {
+                        node.gpus()
+                            .iter()
+                            .position(|g| g.uuid == *u)
+                            .map(|p| (p, u.clone()))
+                    })
+                    .collect();
+                let mib = match d.demand {
+                    state::Demand::Memory { .. } => Some(d.memory_mib(node.unit_mib)),
+                    state::Demand::Whole { .. } => None,
+                };
+                Some(Reservation {
+                    pod: d.key,
+                    gpus,
+                    mib,
+                    at: std::time::Instant::now(),
+                })
+            })
+            .collect()
+    }
+
+    /// Refuses to bind what kube-scheduler would never ask this scorer to bind: another incarnation of
+    /// the pod, a pod already bound or being deleted, a pod of a scheduler this scorer does not serve.
+    fn check_bindable(&self, pod: &Pod, args: &ExtenderBindingArgs, namespace: &str) -> Result<(), String> {
+        let name = format!("{namespace}/{}", args.pod_name);
+        let uid = pod.metadata.uid.as_deref().unwrap_or("");
+        if uid != args.pod_uid {
+            return Err(format!(
+                "pod {name} has UID {uid}, not {} (recreated?)",
+                args.pod_uid
+            ));
+        }
+        if pod.metadata.deletion_timestamp.is_some() {
+            return Err(format!("pod {name} is being deleted"));
+        }
+        let spec = pod.spec.as_ref();
+        if let Some(bound) = spec
+            .and_then(|s| s.node_name.as_deref())
+            .filter(|n| !n.is_empty())
+        {
+            return Err(format!("pod {name} is already bound to {bound}"));
+        }
+        // The API server defaults an empty schedulerName to default-scheduler.
+        let scheduler = spec
+            .and_then(|s| s.scheduler_name.as_deref())
+            .filter(|n| !n.is_empty())
+            .unwrap_or("default-scheduler");
+        if !self.config.scheduler_names.iter().any(|s| s == scheduler) {
+            return Err(format!(
+                "pod {name} belongs to scheduler {scheduler:?}, not one of {:?} (schedulerNames)",
+                self.config.scheduler_names
+            ));
+        }
+        Ok(())
+    }
+
+    async fn bind_inner(&self, args: &ExtenderBindingArgs) -> Result<(), String> {
+        let client = self
+            .client
+            .clone()
+            .ok_or("this scorer has no Kubernetes client")?;
+        let namespace = check_binding_args(args)?;
+        let pods: Api<Pod> = Api::namespaced(client, namespace);
+        let pod = pods
+            .get(&args.pod_name)
+            .await
+            .map_err(|e| format!("reading pod {namespace}/{}: {e}", args.pod_name))?;
+        self.check_bindable(&pod, args, namespace)?;
+        let demand = state::pod_demand(&pod, &self.rules)?;
+        let mut reserved: Option<Reservation> = None;
+        if let Some(d) = &demand {
+            let mut node = self.node_state(&args.node).await?;
+            for r in self.other_replicas_binds(&node) {
+                ledger::subtract(&mut node, &r);
+            }
+            let (config, cache) = (&self.config, &self.policy_cache);
+            let r = self.ledger.reserve(&mut node, |n| {
+                decide::check(n, d).map_err(|r| format!("node {}: {}", n.name, r.reason))?;
+                // The view prioritize used: the GPU(s) its score was for.
+                let scored = decide::prioritize(&[Arc::new(n.clone())], d, config, cache);
+                let gpus = scored
+                    .into_iter()
+                    .flatten()
+                    .next()
+                    .map(|s| s.gpus)
+                    .unwrap_or_default();
+                if gpus.is_empty() {
+                    return Err(format!("node {}: no GPU chosen", n.name));
+                }
+                Ok(Reservation {
+                    pod: d.key.clone(),
+                    gpus: gpus.iter().map(|p| (p, n.gpus()[p].uuid.clone())).collect(),
+                    mib: match d.demand {
+                        state::Demand::Memory { .. } => Some(d.memory_mib(n.unit_mib)),
+                        state::Demand::Whole { .. } => None,
+                    },
+                    at: Instant::now(),
+                })
+            })?;
+            reserved = Some(r);
+        }
+        let outcome = async {
+            if let Some(r) = &reserved {
+                let uuids: Vec<&str> = r.gpus.iter().map(|(_, u)| u.as_str()).collect();
+                let now = k8s_openapi::jiff::Timestamp::now().to_string();
+                let patch = serde_json::json!({"metadata": {"annotations": {
+                    ASSIGNED_GPUS_ANNOTATION: uuids.join(","),
+                    ASSIGNED_AT_ANNOTATION: now,
+                }}});
+                pods.patch(&args.pod_name, &PatchParams::default(), &Patch::Merge(&patch))
+                    .await
+                    .map_err(|e| format!("recording the GPU choice on the pod: {e}"))?;
+            }
+            let binding = Binding {
+                metadata: ObjectMeta {
+                    name: Some(args.pod_name.clone()),
+                    namespace: Some(namespace.to_string()),
+                    uid: pod.metadata.uid.clone(),
+                    ..ObjectMeta::default()
+                },
+                target: ObjectReference {
+                    api_version: Some("v1".into()),
+                    kind: Some("Node".into()),
+                    name: Some(args.node.clone()),
+                    ..ObjectReference::default()
+                },
+            };
+            pods.create_subresource::<_, serde_json::Value>(
+                "binding",
+                &args.pod_name,
+                &PostParams::default(),
+                &binding,
+            )
+            .await
+            .map_err(|e| format!("creating the binding: {e}"))?;
+            Ok::<(), String>(())
+        }
+        .await;
+        if outcome.is_err()
+            && let Some(r) = &reserved
+        {
+            self.ledger.release(&args.node, &r.pod);
+        }
+        outcome
+    }
+}
+/// What `bind` needs before it touches the API server: the names kube-scheduler sends are valid
+/// Kubernetes names (so none can reach another API path), and the UID it always sends is there.
+/// Returns the namespace.
+fn check_binding_args(args: &ExtenderBindingArgs) -> Result<&str, String> {
+    if args.pod_name.is_empty() || args.node.is_empty() || args.pod_uid.is_empty() {
+        return Err("bind needs PodName, PodUID and Node".into());
+    }
+    let namespace = if args.pod_namespace.is_empty() {
+        "default"
+    } else {
+        args.pod_namespace.as_str()
+    };
+    crate::names::check_label(namespace).map_err(|e| format!("PodNamespace: {e}"))?;
+    crate::names::check_subdomain(&args.pod_name).map_err(|e| format!("PodName: {e}"))?;
+    crate::names::check_subdomain(&args.node).map_err(|e| format!("Node: {e}"))?;
+    Ok(namespace)
+}

@@ -1,0 +1,149 @@
+//! The scorer's configuration file (`--config`): weights, policy, limits, the typical mix, TLS; read
+//! and checked before anything starts.
+
+use crate::tls::TlsFiles;
+use anyhow::Context;
+use serde::Deserialize;
+
+/// One entry of the typical request mix.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct TypicalEntry {
+    /// GPU memory on one GPU, MiB.
+    #[serde(default)]
+    pub memory_mib: Option<u64>,
+    /// Whole GPUs.
+    #[serde(default)]
+    pub whole_gpus: Option<u32>,
+    /// Share of requests of this kind.
+    pub share: f64,
+}
+
+/// The default `maxBodyBytes`: 16 MiB. The largest request kube-scheduler sends in the `NodeNames` form
+/// is under 4 MiB (15,000 names of 253 bytes, [`extender::MAX_NODES`]); in the `Nodes` form, 16 MiB is
+/// 1,000 nodes of 16 KiB (kube-scheduler sends a sample: 500 of 5,000 nodes by default). Measured
+/// (`cargo test --release --test scorer_bounds -- --ignored --nocapture peak_memory`: VmHWM of the
+/// test process, which holds the scorer and the client's request text; node cache of 5,000 nodes of
+/// 8 GPUs: 52 MB): 15,000 unknown names of 253 bytes, filter then prioritize: 103 MB; twelve
+/// different `Nodes`-form requests just under 16 MiB (6,585 nodes of 8 GPUs each), filter then
+/// prioritize each: 419 MB. With 64 MiB the `Nodes` form alone reached 376 MB in one request, 729 MB
+/// in six: the deployed limit is 512 Mi.
+pub const DEFAULT_MAX_BODY_BYTES: usize = 16 << 20;
+
+/// The scorer's configuration (`--config`, YAML, camelCase keys; every key optional).
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(default, rename_all = "camelCase", deny_unknown_fields)]
+pub struct Config {
+    /// The placement policy ranking nodes (as `gpumem simulate --policy`).
+    pub policy: String,
+    /// Weight of "spread" (room left) against the policy's fragmentation ranking, for online pods.
+    pub online_weight: f64,
+    /// Weight of "pack" (little room left) against the policy's ranking, for offline pods.
+    pub offline_weight: f64,
+    /// The online weight when the cluster's GPU memory is more than `hotThreshold` allocated.
+    pub hot_online_weight: f64,
+    pub hot_threshold: f64,
+    /// PriorityClass names whose pods are online (without a `gpumem.io/workload-class`).
+    pub online_priority_classes: Vec<String>,
+    /// Pods with at least this priority are online.
+    pub online_min_priority: Option<i32>,
+    /// How long a bind's reservation lasts if the agent never reports the pod.
+    pub ledger_ttl_seconds: u64,
+    /// Largest request body accepted (see [`DEFAULT_MAX_BODY_BYTES`]).
+    pub max_body_bytes: usize,
+    /// The kube-scheduler profiles whose pods `bind` binds (a pod's `spec.schedulerName`); a pod of
+    /// any other scheduler is refused, so a stray caller cannot make the scorer bind it.
+    pub scheduler_names: Vec<String>,
+    /// The request mix the fragmentation measure protects.
+    pub typical_mix: Vec<TypicalEntry>,
+    /// Serve the verbs over TLS to clients with a certificate (`--tls-listen`); see [`TlsFiles`].
+    pub tls: Option<TlsFiles>,
+}
+
+impl Default for Config {
+    fn default() -> Config {
+        let mem = |m, share| TypicalEntry {
+            memory_mib: Some(m),
+            whole_gpus: None,
+            share,
+        };
+        let whole = |c, share| TypicalEntry {
+            memory_mib: None,
+            whole_gpus: Some(c),
+            share,
+        };
+        Config {
+            policy: "gpumem".into(),
+            online_weight: 0.7,
+            offline_weight: 0.3,
+            hot_online_weight: 0.9,
+            hot_threshold: 0.8,
+            online_priority_classes: Vec::new(),
+            online_min_priority: None,
+            ledger_ttl_seconds: 120,
+            max_body_bytes: DEFAULT_MAX_BODY_BYTES,
+            scheduler_names: vec!["default-scheduler".into(), "gpumem-scheduler".into()],
+            typical_mix: vec![
+                mem(2048, 0.15),
+                mem(4096, 0.2),
+                mem(8192, 0.2),
+                mem(16384, 0.1),
+                whole(1, 0.25),
+                whole(2, 0.05),
+                whole(4, 0.03),
+                whole(8, 0.02),
+            ],
+            tls: None,
+        }
+    }
+}
+
+impl Config {
+    pub fn load(path: &std::path::Path) -> anyhow::Result<Config> {
+        let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+        let cfg: Config =
+            serde_norway::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    pub fn validate(&self) -> anyhow::Result<()> {
+        if crate::alloc::build_policy(
+            &self.policy,
+            &crate::alloc::Cluster::default(),
+            &crate::alloc::TypicalMix::default(),
+        )
+        .is_none()
+        {
+            anyhow::bail!(
+                "unknown policy {:?} (one of {:?})",
+                self.policy,
+                crate::alloc::POLICY_NAMES
+            );
+        }
+        for (name, w) in [
+            ("onlineWeight", self.online_weight),
+            ("offlineWeight", self.offline_weight),
+            ("hotOnlineWeight", self.hot_online_weight),
+            ("hotThreshold", self.hot_threshold),
+        ] {
+            if !(0.0..=1.0).contains(&w) {
+                anyhow::bail!("{name} is {w}, must be within 0..1");
+            }
+        }
+        if self
+            .typical_mix
+            .iter()
+            .any(|t| t.memory_mib.is_some() == t.whole_gpus.is_some())
+        {
+            anyhow::bail!("each typicalMix entry needs exactly one of memoryMiB and wholeGpus");
+        }
+        if self.max_body_bytes == 0 {
+            anyhow::bail!("maxBodyBytes is 0");
+        }
+        if self.scheduler_names.is_empty() {
+            anyhow::bail!("schedulerNames is empty: the scorer would bind no pod");
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,141 @@
+//! The `filter` and `prioritize` verbs: which nodes can take the pod, and how well each would.
+
+use super::decide::Rejection;
+use super::extender::{ExtenderArgs, ExtenderFilterResult, HostPriorities, NodeList};
+use super::metrics::ReasonLabel;
+use super::state::NodeSnapshot;
+use super::{BadRequest, KEPT_CALLS, KEPT_FOR, Kept, Scorer, decide, extender, pod_uid};
+use std::sync::Arc;
+use std::time::Instant;
+
+impl Scorer {
+    /// `filter`.
+    pub fn filter(&self, mut args: ExtenderArgs) -> Result<ExtenderFilterResult, BadRequest> {
+        let start = Instant::now();
+        let demand = self.demand(args.pod.as_ref())?;
+        let states = self.candidates(&args)?;
+        let mut result = ExtenderFilterResult::default();
+        let mut keep = vec![true; states.len()];
+        let mut reject = |i: usize, r: Rejection, result: &mut ExtenderFilterResult| {
+            keep[i] = false;
+            self.metrics
+                .rejections
+                .get_or_create(&ReasonLabel { reason: r.category })
+                .inc();
+            let name = states[i].name.clone();
+            if r.unresolvable {
+                result
+                    .failed_and_unresolvable_nodes
+                    .insert(name.clone(), r.reason.clone());
+            }
+            result.failed_nodes.insert(name, r.reason);
+        };
+        match demand {
+            Err(reason) => {
+                // Once, not per node: the reason may quote the pod's annotations.
+                let reason = decide::bounded_reason(reason);
+                for i in 0..states.len() {
+                    reject(
+                        i,
+                        Rejection {
+                            reason: reason.clone(),
+                            category: "bad_pod",
+                            unresolvable: true,
+                        },
+                        &mut result,
+                    );
+                }
+            }
+            Ok(None) => {}
+            Ok(Some(d)) => {
+                for (i, s) in states.iter().enumerate() {
+                    if let Err(r) = decide::check(s, &d) {
+                        reject(i, r, &mut result);
+                    }
+                }
+            }
+        }
+        if let Some(list) = args.nodes.take() {
+            let items = list
+                .items
+                .into_iter()
+                .zip(&keep)
+                .filter(|(_, k)| **k)
+                .map(|(n, _)| n)
+                .collect();
+            result.nodes = Some(NodeList {
+                items,
+                metadata: if list.metadata.is_null() {
+                    serde_json::json!({})
+                } else {
+                    list.metadata
+                },
+                ..list
+            });
+        } else {
+            // The request's own names, in its order (the states are in the same order): handed back
+            // as they came when every node passes, else the kept ones copied into one buffer.
+            let names = args.node_names.take().unwrap_or_default();
+            let names = if keep.iter().all(|k| *k) {
+                names
+            } else {
+                names.keep(&keep)
+            };
+            if let Some(pod_uid) = pod_uid(args.pod.as_ref()) {
+                let states = states.into_iter().zip(&keep).filter(|(_, k)| **k).map(|(s, _)| s);
+                let kept = Kept {
+                    pod_uid,
+                    names: names.clone(),
+                    states: states.collect(),
+                    at: Instant::now(),
+                };
+                let mut all = self.kept.lock().unwrap_or_else(|e| e.into_inner());
+                all.retain(|k| k.pod_uid != kept.pod_uid && k.at.elapsed() < KEPT_FOR);
+                if all.len() >= KEPT_CALLS {
+                    all.remove(0);
+                }
+                all.push(kept);
+            }
+            result.node_names = Some(names);
+        }
+        self.observe("filter", start);
+        Ok(result)
+    }
+
+    /// The states the last `filter` of this pod kept, if `args` lists exactly those names (see [`Kept`]).
+    fn kept_by_filter(&self, args: &ExtenderArgs) -> Option<Vec<Arc<NodeSnapshot>>> {
+        let names = args.node_names.as_ref().filter(|_| args.nodes.is_none())?;
+        let pod_uid = pod_uid(args.pod.as_ref())?;
+        let mut all = self.kept.lock().unwrap_or_else(|e| e.into_inner());
+        let at = all.iter().position(|k| k.pod_uid == pod_uid)?;
+        let kept = all.remove(at);
+        (kept.names == *names && kept.at.elapsed() < KEPT_FOR).then_some(kept.states)
+    }
+
+    /// `prioritize`: every candidate node gets a score; nodes that cannot host the pod get 0.
+    pub fn prioritize(&self, mut args: ExtenderArgs) -> Result<HostPriorities, BadRequest> {
+        let start = Instant::now();
+        let demand = self.demand(args.pod.as_ref())?;
+        let states = match self.kept_by_filter(&args) {
+            Some(states) => states,
+            None => self.candidates(&args)?,
+        };
+        let mut scores: Vec<i64> = vec![extender::MIN_EXTENDER_PRIORITY; states.len()];
+        if let Ok(Some(d)) = demand {
+            let ranked = decide::prioritize(&states, &d, &self.config, &self.policy_cache);
+            for (score, ranked) in scores.iter_mut().zip(ranked) {
+                if let Some(r) = ranked {
+                    *score = r.score;
+                }
+            }
+        }
+        // Named as `candidates` chose the states: from `Nodes` when given (even if `NodeNames` is
+        // too), else the request's own names, in the same order.
+        let names = match args.node_names.take() {
+            Some(names) if args.nodes.is_none() => names,
+            _ => states.iter().map(|s| s.name.as_str()).collect(),
+        };
+        self.observe("prioritize", start);
+        Ok(HostPriorities::new(names, scores))
+    }
+}
