@@ -51,7 +51,11 @@ pub enum Metric {
 /// All runs of one policy.
 #[derive(Debug, Clone)]
 pub struct PolicyRuns {
+    /// The row's name.
     pub policy: &'static str,
+    /// The policy whose published numbers this row compares with, if any (none for a row whose view
+    /// of the workload is not the paper's).
+    pub paper: Option<&'static str>,
     pub runs: Vec<RunResult>,
 }
 
@@ -139,7 +143,8 @@ pub fn table(trace: &str, all: &[PolicyRuns], published: &Published) -> String {
                 let _ = write!(s, "{:>15}", cell(p.at(pct, metric)));
             }
             if metric == Metric::Unallocated {
-                match (published.get(&(p.policy, 100)), p.at(100, metric)) {
+                let paper = p.paper.and_then(|name| published.get(&(name, 100)));
+                match (paper, p.at(100, metric)) {
                     (Some((m, _)), Some(ours)) => {
                         let _ = write!(s, "{m:>12.2}{:>+9.2}", ours.mean - m);
                     }
@@ -183,8 +188,9 @@ pub fn write_summary(path: &Path, trace: &str, all: &[PolicyRuns], published: &P
             ) else {
                 continue;
             };
-            let publ = published
-                .get(&(p.policy, pct))
+            let publ = p
+                .paper
+                .and_then(|name| published.get(&(name, pct)))
                 .map_or(String::new(), |(m, _)| format!("{m:.2}"));
             w.write_record([
                 trace.to_string(),
