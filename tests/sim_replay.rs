@@ -180,6 +180,9 @@ fn simulate_writes_table_csvs_and_chart() {
     // The online view by default, each mix-reading policy next to its oracle row; BestFit reads no mix.
     assert!(summary.contains("synthetic,FGD/oracle,") && summary.contains("synthetic,gpumem/oracle,"));
     assert!(!summary.contains("BestFit/oracle"));
+    let runs = std::fs::read_to_string(out.join("runs.csv")).expect("runs");
+    assert_eq!(runs.lines().count(), 1 + 5 * 2, "5 rows x 2 seeds: {runs}");
+    assert!(runs.contains("synthetic,gpumem/oracle,43,"));
     let curves = std::fs::read_to_string(out.join("curves.csv")).expect("curves");
     assert!(curves.lines().count() > 100);
     let svg = std::fs::read_to_string(out.join("unallocated.svg")).expect("chart");

@@ -63,7 +63,7 @@ pub struct SimulateArgs {
     /// variation distance, 0..1) from the one it was built from.
     #[arg(long, default_value_t = MixConfig::default().tolerance)]
     pub mix_tolerance: f64,
-    /// Directory for summary.csv, curves.csv and unallocated.svg.
+    /// Directory for summary.csv, curves.csv, runs.csv and unallocated.svg.
     #[arg(long, default_value = "simulate-out")]
     pub out: PathBuf,
     /// Published numbers to compare with (default: fgd_published_unallocated.csv next to --pods, if any).
@@ -353,9 +353,10 @@ pub fn run(args: &SimulateArgs) -> Result<()> {
     let max_pct = (args.inflate.max(1.0) * 100.0).round() as usize;
     report::write_summary(&args.out.join("summary.csv"), &trace.name, &all, &published)?;
     report::write_curves(&args.out.join("curves.csv"), &trace.name, &all, max_pct)?;
+    report::write_runs(&args.out.join("runs.csv"), &trace.name, &all)?;
     report::write_chart(&args.out.join("unallocated.svg"), &trace.name, &all, max_pct)?;
     println!(
-        "wrote {}/{{summary.csv,curves.csv,unallocated.svg}}",
+        "wrote {}/{{summary.csv,curves.csv,runs.csv,unallocated.svg}}",
         args.out.display()
     );
     Ok(())

@@ -211,6 +211,38 @@ pub fn write_summary(path: &Path, trace: &str, all: &[PolicyRuns], published: &P
     Ok(())
 }
 
+/// `runs.csv`: one row per run (policy and seed): unallocated GPU % at 100% arrived, failed pods, how
+/// many times the policy was built (more than once: rebuilt as its online mix moved) and seconds.
+pub fn write_runs(path: &Path, trace: &str, all: &[PolicyRuns]) -> Result<()> {
+    let mut w = csv::Writer::from_path(path).with_context(|| format!("cannot write {}", path.display()))?;
+    w.write_record([
+        "trace",
+        "policy",
+        "seed",
+        "unallocated_gpu_pct_at_100",
+        "failed",
+        "builds",
+        "seconds",
+    ])?;
+    for p in all {
+        for r in &p.runs {
+            w.write_record([
+                trace.to_string(),
+                p.policy.to_string(),
+                r.seed.to_string(),
+                r.curve
+                    .at(100)
+                    .map_or(String::new(), |(u, _, _)| format!("{u:.4}")),
+                r.failed.to_string(),
+                r.builds.to_string(),
+                format!("{:.3}", r.seconds),
+            ])?;
+        }
+    }
+    w.flush()?;
+    Ok(())
+}
+
 /// `curves.csv`: every 1% of arrived workload, per policy.
 pub fn write_curves(path: &Path, trace: &str, all: &[PolicyRuns], max_pct: usize) -> Result<()> {
     let mut w = csv::Writer::from_path(path).with_context(|| format!("cannot write {}", path.display()))?;
