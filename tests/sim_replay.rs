@@ -162,6 +162,9 @@ fn simulate_writes_table_csvs_and_chart() {
         seed_base: 42,
         inflate: 1.3,
         typical: 0.95,
+        oracle_mix: false,
+        mix_window: 5000.0,
+        mix_tolerance: 0.02,
         out: out.clone(),
         published: None,
         random_ties: false,
@@ -174,10 +177,26 @@ fn simulate_writes_table_csvs_and_chart() {
     let summary = std::fs::read_to_string(out.join("summary.csv")).expect("summary");
     assert!(summary.starts_with("trace,policy,arrived_pct,unallocated_gpu_pct_mean"));
     assert!(summary.contains("synthetic,FGD,") && summary.contains("synthetic,gpumem,"));
+    // The online view by default, each mix-reading policy next to its oracle row; BestFit reads no mix.
+    assert!(summary.contains("synthetic,FGD/oracle,") && summary.contains("synthetic,gpumem/oracle,"));
+    assert!(!summary.contains("BestFit/oracle"));
+    let runs = std::fs::read_to_string(out.join("runs.csv")).expect("runs");
+    assert_eq!(runs.lines().count(), 1 + 5 * 2, "5 rows x 2 seeds: {runs}");
+    assert!(runs.contains("synthetic,gpumem/oracle,43,"));
     let curves = std::fs::read_to_string(out.join("curves.csv")).expect("curves");
     assert!(curves.lines().count() > 100);
     let svg = std::fs::read_to_string(out.join("unallocated.svg")).expect("chart");
     assert!(svg.contains("<svg") && svg.contains("gpumem"));
+
+    let oracle_out = dir.path().join("oracle");
+    let oracle = gpumem::sim::SimulateArgs {
+        oracle_mix: true,
+        out: oracle_out.clone(),
+        ..args.clone()
+    };
+    gpumem::sim::run(&oracle).expect("simulate --oracle-mix");
+    let summary = std::fs::read_to_string(oracle_out.join("summary.csv")).expect("summary");
+    assert!(summary.contains("synthetic,gpumem,") && !summary.contains("/oracle"));
 
     let bench = gpumem::sim::SimulateArgs { bench: true, ..args };
     gpumem::sim::run(&bench).expect("bench");
@@ -278,4 +297,81 @@ fn policy_list_takes_gpumem_variants_and_refuses_bad_ones() {
     assert_eq!(ok, vec!["FGD", "gpumem:rv=0:sc=5", "gpumem"]);
     assert!(policy_list(&["gpumem:nope=1".into()]).is_err());
     assert!(policy_list(&["Tetris".into()]).is_err());
+}
+
+fn online() -> replay::MixView {
+    replay::MixView::Online(alloc::MixConfig {
+        min_pods: 0,
+        ..alloc::MixConfig::default()
+    })
+}
+
+#[test]
+fn the_online_view_knows_no_pod_before_it_arrives() {
+    // Two workloads with the same first pods and different later ones: with the online view, every
+    // decision on the common prefix is the same (under the oracle view, the later pods would change
+    // the mix the first decisions are made with).
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (nodes, pods) = synthetic(dir.path());
+    let trace = Trace::load(&nodes, &pods).expect("load");
+    let mix = TypicalMix::from_requests(&trace.pods, 0.95);
+    let (seq, ranks) = replay::workload_and_ranks(&trace, 5, 1.3);
+    let k = seq.len() / 2;
+    let mut other = seq[..k].to_vec();
+    // The rest: only the rarest shape of the trace, the 8-GPU pods.
+    let big = *trace
+        .pods
+        .iter()
+        .find(|p| p.gpu == alloc::GpuDemand::Whole { count: 8 })
+        .expect("an 8-GPU pod");
+    other.extend(std::iter::repeat_n(big, seq.len() - k));
+    let arrived: u64 = seq[..k].iter().map(|p| trace.units(p)).sum();
+    let prefix_pct = arrived as f64 / trace.cluster.gpu_capacity_total() as f64 * 100.0;
+    let common = prefix_pct.round() as usize; // buckets below this one hold prefix arrivals only
+    assert!(common > 20, "{common}");
+    for name in ["FGD", "gpumem"] {
+        let run = |pods: &[alloc::Request]| {
+            replay::replay_sequence(&trace, name, 5, pods, &ranks, 1.3, &mix, online(), false, |_| {})
+                .expect("replay")
+        };
+        let (a, b) = (run(&seq), run(&other));
+        assert!(a.builds > 1, "{name}: the policy never learned");
+        assert_eq!(a.curve.count[..common], b.curve.count[..common], "{name}");
+        assert_eq!(a.curve.unalloc[..common], b.curve.unalloc[..common], "{name}");
+        assert_eq!(a.curve.frag[..common], b.curve.frag[..common], "{name}");
+        assert_ne!(
+            a.curve.count, b.curve.count,
+            "{name}: the workloads differ after the prefix"
+        );
+    }
+}
+
+#[test]
+fn the_online_view_changes_only_the_policies_that_read_the_mix() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (nodes, pods) = synthetic(dir.path());
+    let trace = Trace::load(&nodes, &pods).expect("load");
+    let mix = TypicalMix::from_requests(&trace.pods, 0.95);
+    let with = |name: &str, view| {
+        replay::replay_with(&trace, name, 3, 1.3, &mix, view, false, |_| {}).expect("replay")
+    };
+    let (on, off) = (
+        with("BestFit", online()),
+        with("BestFit", replay::MixView::Oracle),
+    );
+    assert_eq!((on.builds, off.builds), (1, 1));
+    assert_eq!((on.failed, on.allocated), (off.failed, off.allocated));
+    // gpumem with its knobs off is FGD, online too: both are rebuilt at the same arrivals.
+    let (fgd, off) = (with("FGD", online()), with("gpumem:ft=0:rv=0:sc=0", online()));
+    assert!(fgd.builds > 1 && fgd.builds == off.builds);
+    for p in 0..=130 {
+        assert_eq!(fgd.curve.at(p), off.curve.at(p), "at {p}%");
+    }
+    let again = with("gpumem", online());
+    let once = with("gpumem", online());
+    assert_eq!(
+        (again.failed, again.allocated, again.builds),
+        (once.failed, once.allocated, once.builds),
+        "online replays are reproducible"
+    );
 }

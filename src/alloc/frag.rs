@@ -12,8 +12,6 @@
 //! free units on the GPUs that do not. A placement changes one or a few GPUs, so its effect on those
 //! numbers, and on the fragmentation, is computed from the summary without rescanning the node.
 
-use std::collections::HashMap;
-
 use super::{Cluster, Gpu, GpuDemand, ModelId, ModelSet, ModelTable, Node, Request};
 
 /// One typical task type and its popularity (the popularities of a mix sum to 1).
@@ -40,62 +38,18 @@ impl TypicalMix {
     /// allowed models), counted, sorted by decreasing count, and the most popular ones are kept until
     /// they cover `threshold` (0..=1; the paper uses 0.95) of the tasks; popularities are renormalised.
     pub fn from_requests<'a>(requests: impl IntoIterator<Item = &'a Request>, threshold: f64) -> TypicalMix {
-        let mut counts: HashMap<(u64, GpuDemand, Option<ModelSet>), u64> = HashMap::new();
-        let mut memory: HashMap<(u64, GpuDemand, Option<ModelSet>), u64> = HashMap::new();
-        let mut total = 0u64;
+        // The online learner without decay, fed the whole workload: one construction for both views.
+        let cfg = super::mix::MixConfig {
+            threshold,
+            window: f64::INFINITY,
+            min_pods: 0,
+            ..super::mix::MixConfig::default()
+        };
+        let mut learner = super::mix::MixLearner::new(cfg, TypicalMix::default());
         for r in requests {
-            *counts.entry((r.cpu_milli, r.gpu, r.models)).or_default() += 1;
-            *memory.entry((r.cpu_milli, r.gpu, r.models)).or_default() += r.memory_mib;
-            total += 1;
+            learner.observe(r);
         }
-        let mean_mem = |k: &(u64, GpuDemand, Option<ModelSet>), count: u64| {
-            memory.get(k).copied().unwrap_or(0) / count.max(1)
-        };
-        let mut sorted: Vec<_> = counts.into_iter().collect();
-        // Most popular first; equal counts in the artifact's order (larger resources first).
-        let order_key = |g: GpuDemand| match g {
-            GpuDemand::None => (0u32, 0u32),
-            GpuDemand::Shared { amount } => (amount, 1),
-            GpuDemand::Whole { count } => (u32::MAX, count),
-        };
-        sorted.sort_by(|(ka, ca), (kb, cb)| {
-            cb.cmp(ca)
-                .then(kb.0.cmp(&ka.0))
-                .then(order_key(kb.1).cmp(&order_key(ka.1)))
-                .then(kb.2.cmp(&ka.2))
-        });
-        let all = sorted
-            .iter()
-            .map(|&((cpu_milli, gpu, models), count)| TypicalType {
-                cpu_milli,
-                memory_mib: mean_mem(&(cpu_milli, gpu, models), count),
-                gpu,
-                models,
-                popularity: count as f64 / total.max(1) as f64,
-            })
-            .collect();
-        let expected = threshold * total as f64;
-        let mut kept = Vec::new();
-        let mut cum = 0u64;
-        for (key, count) in sorted {
-            if kept.is_empty() || (cum as f64) < expected {
-                cum += count;
-                kept.push((key, count));
-            } else {
-                break;
-            }
-        }
-        let types = kept
-            .into_iter()
-            .map(|((cpu_milli, gpu, models), count)| TypicalType {
-                cpu_milli,
-                memory_mib: mean_mem(&(cpu_milli, gpu, models), count),
-                gpu,
-                models,
-                popularity: count as f64 / cum.max(1) as f64,
-            })
-            .collect();
-        TypicalMix { types, all }
+        learner.mix()
     }
 
     /// All GPU task types, a whole-GPU type weighted by its count times its number of GPUs (so keeping

@@ -19,12 +19,14 @@ pub mod fgd;
 pub mod frag;
 pub mod gpumem;
 pub mod local;
+pub mod mix;
 
 use std::fmt;
 
 use rand::{Rng, RngExt};
 
 pub use frag::{FragModel, TypicalMix};
+pub use mix::{MixConfig, MixLearner, OnlineMix};
 
 /// Index of a GPU model in a [`ModelTable`].
 pub type ModelId = u8;
@@ -653,6 +655,13 @@ pub fn build_policy(name: &str, cluster: &Cluster, mix: &TypicalMix) -> Option<B
         },
     };
     Some(p)
+}
+
+/// Whether the policy called `name` reads the typical mix (FGD and gpumem, with any options): the
+/// others rank the same whatever the mix, so an online view changes nothing for them.
+pub fn uses_mix(name: &str) -> bool {
+    let lower = name.to_ascii_lowercase();
+    lower == "fgd" || lower == "gpumem" || lower.starts_with("gpumem:")
 }
 
 /// The canonical spelling of a policy name, if known.

@@ -14,14 +14,16 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 
-use crate::alloc::{POLICY_NAMES, TypicalMix, canonical_policy_name};
-use replay::RunResult;
+use crate::alloc::{MixConfig, POLICY_NAMES, TypicalMix, canonical_policy_name, uses_mix};
+use replay::{MixView, RunResult};
 use report::{PolicyRuns, Published};
 use trace::Trace;
 
 const DEFAULT_NODES: &str = "../shared/traces/openb/openb_node_list_gpu_node.csv";
 const DEFAULT_PODS: &str = "../shared/traces/openb/openb_pod_list_default.csv";
 const PUBLISHED_FILE: &str = "fgd_published_unallocated.csv";
+/// `--mix-window`'s default, in pods.
+pub const DEFAULT_MIX_WINDOW: f64 = 5000.0;
 
 /// Replay a GPU cluster trace through the placement policies and report allocation and fragmentation.
 #[derive(Debug, Clone, clap::Args)]
@@ -48,7 +50,20 @@ pub struct SimulateArgs {
     /// Typical task types: the most popular ones covering this fraction of all tasks.
     #[arg(long, default_value_t = 0.95)]
     pub typical: f64,
-    /// Directory for summary.csv, curves.csv and unallocated.svg.
+    /// Give FGD and gpumem the whole trace's typical mix in advance (the FGD paper's protocol) instead
+    /// of the online view (only the pods arrived before each decision). Without it, the report also has
+    /// an `<policy>/oracle` row for each of them.
+    #[arg(long)]
+    pub oracle_mix: bool,
+    /// Online view: decay window of the learned mix, in pods (an arrival's weight falls by e every
+    /// this many arrivals after it); 0 = no decay.
+    #[arg(long, default_value_t = DEFAULT_MIX_WINDOW)]
+    pub mix_window: f64,
+    /// Online view: the policy is rebuilt when the learned mix moved by more than this (total
+    /// variation distance, 0..1) from the one it was built from.
+    #[arg(long, default_value_t = MixConfig::default().tolerance)]
+    pub mix_tolerance: f64,
+    /// Directory for summary.csv, curves.csv, runs.csv and unallocated.svg.
     #[arg(long, default_value = "simulate-out")]
     pub out: PathBuf,
     /// Published numbers to compare with (default: fgd_published_unallocated.csv next to --pods, if any).
@@ -102,11 +117,44 @@ pub fn policy_list(requested: &[String]) -> Result<Vec<&'static str>> {
     Ok(out)
 }
 
-/// Runs every (policy, seed) pair on `threads` threads; results grouped by policy in `policies` order.
+/// One row of the report: a policy and what it knows of the workload.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Variant {
+    /// The row's name: the policy's, with `/oracle` appended for an oracle row next to online ones.
+    pub label: &'static str,
+    pub policy: &'static str,
+    pub view: MixView,
+}
+
+/// The rows for `policies`. With an online `view`, each policy that reads the mix is followed by its
+/// `/oracle` row (the same policy given the whole-trace mix).
+pub fn variants(policies: &[&'static str], view: MixView) -> Vec<Variant> {
+    let mut out = Vec::new();
+    for &policy in policies {
+        out.push(Variant {
+            label: policy,
+            policy,
+            view,
+        });
+        if view != MixView::Oracle && uses_mix(policy) {
+            // A few bytes per policy, for the life of the command.
+            let label: &'static str = Box::leak(format!("{policy}/oracle").into_boxed_str());
+            out.push(Variant {
+                label,
+                policy,
+                view: MixView::Oracle,
+            });
+        }
+    }
+    out
+}
+
+/// Runs every (variant, seed) pair on `threads` threads; results grouped by variant in `variants`
+/// order. `mix` is the whole-trace mix (the oracle view's, and the fragmentation metric's).
 #[allow(clippy::too_many_arguments)]
 pub fn run_all(
     trace: &Trace,
-    policies: &[&'static str],
+    variants: &[Variant],
     seeds: &[u64],
     inflate: f64,
     mix: &TypicalMix,
@@ -114,9 +162,9 @@ pub fn run_all(
     threads: usize,
     progress: &indicatif::ProgressBar,
 ) -> Result<Vec<PolicyRuns>> {
-    let jobs: Vec<(&'static str, u64)> = policies
+    let jobs: Vec<(&Variant, u64)> = variants
         .iter()
-        .flat_map(|p| seeds.iter().map(move |s| (*p, *s)))
+        .flat_map(|v| seeds.iter().map(move |s| (v, *s)))
         .collect();
     let next = AtomicUsize::new(0);
     let results: Mutex<Vec<Option<Result<RunResult>>>> = Mutex::new((0..jobs.len()).map(|_| None).collect());
@@ -125,12 +173,19 @@ pub fn run_all(
             scope.spawn(|| {
                 loop {
                     let j = next.fetch_add(1, Ordering::Relaxed);
-                    let Some(&(policy, seed)) = jobs.get(j) else { break };
-                    let r = replay::replay(trace, policy, seed, inflate, mix, random_ties, |n| {
-                        progress.inc(n)
-                    });
+                    let Some(&(v, seed)) = jobs.get(j) else { break };
+                    let r =
+                        replay::replay_with(trace, v.policy, seed, inflate, mix, v.view, random_ties, |n| {
+                            progress.inc(n)
+                        });
                     if let Ok(r) = &r {
-                        tracing::debug!(policy, seed, seconds = r.seconds, "run finished");
+                        tracing::debug!(
+                            variant = v.label,
+                            seed,
+                            seconds = r.seconds,
+                            builds = r.builds,
+                            "run finished"
+                        );
                     }
                     if let Ok(mut guard) = results.lock() {
                         guard[j] = Some(r);
@@ -142,17 +197,20 @@ pub fn run_all(
     let results = results
         .into_inner()
         .map_err(|_| anyhow::anyhow!("a worker thread panicked"))?;
-    let mut grouped: Vec<PolicyRuns> = policies
+    let mut grouped: Vec<PolicyRuns> = variants
         .iter()
-        .map(|p| PolicyRuns {
-            policy: p,
+        .map(|v| PolicyRuns {
+            policy: v.label,
+            // The paper's numbers are for its protocol: the whole-trace mix (the other policies do not
+            // read it).
+            paper: (v.view == MixView::Oracle || !uses_mix(v.policy)).then_some(v.policy),
             runs: Vec::new(),
         })
         .collect();
     for (j, r) in results.into_iter().enumerate() {
         let r = r.ok_or_else(|| anyhow::anyhow!("job {j} did not run"))??;
-        let (policy, _) = jobs[j];
-        if let Some(g) = grouped.iter_mut().find(|g| g.policy == policy) {
+        let (v, _) = jobs[j];
+        if let Some(g) = grouped.iter_mut().find(|g| g.policy == v.label) {
             g.runs.push(r);
         }
     }
@@ -188,7 +246,33 @@ pub fn run(args: &SimulateArgs) -> Result<()> {
     if !(args.typical > 0.0 && args.typical <= 1.0) {
         bail!("--typical must be in (0, 1], got {}", args.typical);
     }
+    if !(args.mix_window.is_finite() && args.mix_window >= 0.0) {
+        bail!(
+            "--mix-window must be a number of pods (0: no decay), got {}",
+            args.mix_window
+        );
+    }
+    if !(0.0..=1.0).contains(&args.mix_tolerance) {
+        bail!("--mix-tolerance must be in 0..1, got {}", args.mix_tolerance);
+    }
     let policies = policy_list(&args.policies)?;
+    let view = if args.oracle_mix {
+        MixView::Oracle
+    } else {
+        MixView::Online(MixConfig {
+            threshold: args.typical,
+            window: if args.mix_window > 0.0 {
+                args.mix_window
+            } else {
+                f64::INFINITY
+            },
+            // No prior in a replay: the policy knows nothing before the first pod.
+            min_pods: 0,
+            tolerance: args.mix_tolerance,
+            ..MixConfig::default()
+        })
+    };
+    let variants = variants(&policies, view);
     let trace = Trace::load(&args.nodes, &args.pods)?;
     let mix = TypicalMix::from_requests(&trace.pods, args.typical);
     tracing::info!(
@@ -210,11 +294,11 @@ pub fn run(args: &SimulateArgs) -> Result<()> {
     }
     let seeds: Vec<u64> = (args.seed_base..args.seed_base + args.seeds).collect();
     let per_run = replay::workload(&trace, args.seed_base, args.inflate).len() as u64;
-    let pb = progress_bar(per_run * seeds.len() as u64 * policies.len() as u64, args.quiet);
+    let pb = progress_bar(per_run * seeds.len() as u64 * variants.len() as u64, args.quiet);
     let start = Instant::now();
     let all = run_all(
         &trace,
-        &policies,
+        &variants,
         &seeds,
         args.inflate,
         &mix,
@@ -231,25 +315,48 @@ pub fn run(args: &SimulateArgs) -> Result<()> {
     };
     print!("{}", report::table(&trace.name, &all, &published));
     let cpu_seconds: f64 = all.iter().flat_map(|p| p.runs.iter().map(|r| r.seconds)).sum();
+    let mix_note = match view {
+        MixView::Oracle => "the whole-trace typical mix (--oracle-mix)".to_string(),
+        MixView::Online(c) => format!(
+            "FGD and gpumem learn the mix online (window {} pods, tolerance {}); /oracle rows know the whole trace's",
+            if c.window.is_finite() {
+                format!("{}", c.window)
+            } else {
+                "none".to_string()
+            },
+            c.tolerance
+        ),
+    };
     println!(
-        "\n{} runs ({} policies x {} seeds, {} pods each) in {elapsed:.1} s wall, {cpu_seconds:.1} s of runs, {threads} threads",
+        "\n{} runs ({} rows x {} seeds, {} pods each) in {elapsed:.1} s wall, {cpu_seconds:.1} s of runs, {threads} threads; {mix_note}",
         all.iter().map(|p| p.runs.len()).sum::<usize>(),
-        policies.len(),
+        variants.len(),
         seeds.len(),
         per_run,
     );
     for p in &all {
-        let secs: f64 = p.runs.iter().map(|r| r.seconds).sum::<f64>() / p.runs.len().max(1) as f64;
-        println!("  {:<14}{secs:>8.2} s per run", p.policy);
+        let n = p.runs.len().max(1) as f64;
+        let secs: f64 = p.runs.iter().map(|r| r.seconds).sum::<f64>() / n;
+        let builds: f64 = p.runs.iter().map(|r| r.builds as f64).sum::<f64>() / n;
+        let build_secs: f64 = p.runs.iter().map(|r| r.build_seconds).sum::<f64>() / n;
+        if builds > 1.0 {
+            println!(
+                "  {:<14}{secs:>8.2} s per run ({builds:.0} policy builds, {build_secs:.2} s)",
+                p.policy
+            );
+        } else {
+            println!("  {:<14}{secs:>8.2} s per run", p.policy);
+        }
     }
 
     std::fs::create_dir_all(&args.out).with_context(|| format!("cannot create {}", args.out.display()))?;
     let max_pct = (args.inflate.max(1.0) * 100.0).round() as usize;
     report::write_summary(&args.out.join("summary.csv"), &trace.name, &all, &published)?;
     report::write_curves(&args.out.join("curves.csv"), &trace.name, &all, max_pct)?;
+    report::write_runs(&args.out.join("runs.csv"), &trace.name, &all)?;
     report::write_chart(&args.out.join("unallocated.svg"), &trace.name, &all, max_pct)?;
     println!(
-        "wrote {}/{{summary.csv,curves.csv,unallocated.svg}}",
+        "wrote {}/{{summary.csv,curves.csv,runs.csv,unallocated.svg}}",
         args.out.display()
     );
     Ok(())

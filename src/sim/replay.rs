@@ -7,7 +7,7 @@ use rand::{RngExt, SeedableRng};
 use rand_pcg::Pcg64Mcg;
 
 use crate::alloc::frag::{FragModel, TypicalMix};
-use crate::alloc::{self, Candidate, Cluster, GpuDemand, Request, TieBreak};
+use crate::alloc::{self, Candidate, Cluster, GpuDemand, MixConfig, OnlineMix, Request, TieBreak};
 
 use super::trace::Trace;
 
@@ -70,6 +70,19 @@ pub struct RunResult {
     pub allocated: u64,
     pub capacity: u64,
     pub seconds: f64,
+    /// Times the policy was built (1 with the oracle mix; with the online one, once per mix it moved to).
+    pub builds: usize,
+    /// Seconds spent building policies (included in `seconds`).
+    pub build_seconds: f64,
+}
+
+/// What the policy knows of the workload when it decides.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum MixView {
+    /// The trace's whole-trace mix, known in advance (the FGD paper's protocol).
+    Oracle,
+    /// Only the pods that arrived before the decision, learned as [`OnlineMix`] does (no prior).
+    Online(MixConfig),
 }
 
 /// The pod sequence of one seed: the trace shuffled, then inflated (or trimmed) to `inflate` x capacity.
@@ -122,18 +135,83 @@ pub fn replay(
     inflate: f64,
     mix: &TypicalMix,
     random_ties: bool,
+    progress: impl FnMut(u64),
+) -> anyhow::Result<RunResult> {
+    replay_with(
+        trace,
+        policy,
+        seed,
+        inflate,
+        mix,
+        MixView::Oracle,
+        random_ties,
+        progress,
+    )
+}
+
+/// [`replay`] with the policy's view of the workload given by `view`: with [`MixView::Online`] the
+/// policy (if it reads a mix, [`alloc::uses_mix`]) is built from the pods arrived so far, and rebuilt
+/// whenever the learned mix moves. `mix` is still what the fragmentation metric measures against.
+#[allow(clippy::too_many_arguments)]
+pub fn replay_with(
+    trace: &Trace,
+    policy: &str,
+    seed: u64,
+    inflate: f64,
+    mix: &TypicalMix,
+    view: MixView,
+    random_ties: bool,
+    progress: impl FnMut(u64),
+) -> anyhow::Result<RunResult> {
+    let start = std::time::Instant::now();
+    let (pods, ranks) = workload_and_ranks(trace, seed, inflate);
+    let mut r = replay_sequence(
+        trace,
+        policy,
+        seed,
+        &pods,
+        &ranks,
+        inflate,
+        mix,
+        view,
+        random_ties,
+        progress,
+    )?;
+    r.seconds = start.elapsed().as_secs_f64();
+    Ok(r)
+}
+
+/// [`replay_with`] of a given pod sequence and node ranking (`inflate` only sizes the curve). Seed:
+/// of the policy's random stream.
+#[allow(clippy::too_many_arguments)]
+pub fn replay_sequence(
+    trace: &Trace,
+    policy: &str,
+    seed: u64,
+    pods: &[Request],
+    ranks: &[u32],
+    inflate: f64,
+    mix: &TypicalMix,
+    view: MixView,
+    random_ties: bool,
     mut progress: impl FnMut(u64),
 ) -> anyhow::Result<RunResult> {
     let start = std::time::Instant::now();
     let mut cluster: Cluster = trace.cluster.clone();
-    let mut pol = alloc::build_policy(policy, &cluster, mix)
-        .ok_or_else(|| anyhow::anyhow!("unknown policy {policy:?}"))?;
+    let build = |cluster: &Cluster, mix: &TypicalMix| {
+        alloc::build_policy(policy, cluster, mix).ok_or_else(|| anyhow::anyhow!("unknown policy {policy:?}"))
+    };
+    let mut online = match view {
+        MixView::Online(cfg) if alloc::uses_mix(policy) => Some(OnlineMix::new(cfg, TypicalMix::default())),
+        _ => None,
+    };
+    let mut pol = build(&cluster, online.as_ref().map_or(mix, |o| o.mix()))?;
+    let (mut builds, mut build_seconds) = (1usize, 0.0f64);
     let name = pol.name();
-    let (pods, ranks) = workload_and_ranks(trace, seed, inflate);
     let tie = if random_ties {
         TieBreak::Random
     } else {
-        TieBreak::Rank(&ranks)
+        TieBreak::Rank(ranks)
     };
     // The policy's tie-breaking stream is separate from the workload's.
     let mut rng = Pcg64Mcg::seed_from_u64(seed ^ 0x9e37_79b9_7f4a_7c15);
@@ -148,9 +226,18 @@ pub fn replay(
     let (mut arrived, mut allocated, mut failed) = (0u64, 0u64, 0usize);
     let mut scratch: Vec<Candidate> = Vec::with_capacity(cluster.nodes.len());
     let mut since = 0u64;
-    for req in &pods {
+    for req in pods {
         let units = trace.units(req);
         arrived += units;
+        if let Some(o) = online.as_mut() {
+            // The pods before this one, as a policy could know them when this one arrives.
+            if o.refresh() {
+                let t = std::time::Instant::now();
+                pol = build(&cluster, o.mix())?;
+                build_seconds += t.elapsed().as_secs_f64();
+                builds += 1;
+            }
+        }
         match alloc::place(pol.as_mut(), &mut cluster, req, tie, &mut rng, &mut scratch)? {
             Some(c) => {
                 let n = &cluster.nodes[c.node as usize];
@@ -163,6 +250,9 @@ pub fn replay(
                 node_frag[c.node as usize] = f;
             }
             None => failed += 1,
+        }
+        if let Some(o) = online.as_mut() {
+            o.observe(req);
         }
         let idle = (capacity - allocated) as f64;
         let bucket = (arrived as f64 / cap * 100.0).round_ties_even() as usize;
@@ -191,5 +281,7 @@ pub fn replay(
         allocated,
         capacity,
         seconds: start.elapsed().as_secs_f64(),
+        builds,
+        build_seconds,
     })
 }

@@ -51,7 +51,11 @@ pub enum Metric {
 /// All runs of one policy.
 #[derive(Debug, Clone)]
 pub struct PolicyRuns {
+    /// The row's name.
     pub policy: &'static str,
+    /// The policy whose published numbers this row compares with, if any (none for a row whose view
+    /// of the workload is not the paper's).
+    pub paper: Option<&'static str>,
     pub runs: Vec<RunResult>,
 }
 
@@ -139,7 +143,8 @@ pub fn table(trace: &str, all: &[PolicyRuns], published: &Published) -> String {
                 let _ = write!(s, "{:>15}", cell(p.at(pct, metric)));
             }
             if metric == Metric::Unallocated {
-                match (published.get(&(p.policy, 100)), p.at(100, metric)) {
+                let paper = p.paper.and_then(|name| published.get(&(name, 100)));
+                match (paper, p.at(100, metric)) {
                     (Some((m, _)), Some(ours)) => {
                         let _ = write!(s, "{m:>12.2}{:>+9.2}", ours.mean - m);
                     }
@@ -183,8 +188,9 @@ pub fn write_summary(path: &Path, trace: &str, all: &[PolicyRuns], published: &P
             ) else {
                 continue;
             };
-            let publ = published
-                .get(&(p.policy, pct))
+            let publ = p
+                .paper
+                .and_then(|name| published.get(&(name, pct)))
                 .map_or(String::new(), |(m, _)| format!("{m:.2}"));
             w.write_record([
                 trace.to_string(),
@@ -198,6 +204,38 @@ pub fn write_summary(path: &Path, trace: &str, all: &[PolicyRuns], published: &P
                 format!("{:.4}", r.sd),
                 publ,
                 u.n.to_string(),
+            ])?;
+        }
+    }
+    w.flush()?;
+    Ok(())
+}
+
+/// `runs.csv`: one row per run (policy and seed): unallocated GPU % at 100% arrived, failed pods, how
+/// many times the policy was built (more than once: rebuilt as its online mix moved) and seconds.
+pub fn write_runs(path: &Path, trace: &str, all: &[PolicyRuns]) -> Result<()> {
+    let mut w = csv::Writer::from_path(path).with_context(|| format!("cannot write {}", path.display()))?;
+    w.write_record([
+        "trace",
+        "policy",
+        "seed",
+        "unallocated_gpu_pct_at_100",
+        "failed",
+        "builds",
+        "seconds",
+    ])?;
+    for p in all {
+        for r in &p.runs {
+            w.write_record([
+                trace.to_string(),
+                p.policy.to_string(),
+                r.seed.to_string(),
+                r.curve
+                    .at(100)
+                    .map_or(String::new(), |(u, _, _)| format!("{u:.4}")),
+                r.failed.to_string(),
+                r.builds.to_string(),
+                format!("{:.3}", r.seconds),
             ])?;
         }
     }
