@@ -179,3 +179,27 @@ async fn every_scorer_metric_the_deployment_queries_is_exported() {
         "{text}"
     );
 }
+
+/// The scorer learns its typical mix from the pods it ranks (over HTTP, as kube-scheduler sends them),
+/// and from then on measures (and places) against what it learned, not the configured mix.
+#[tokio::test]
+async fn the_typical_mix_is_learned_from_the_pods_ranked() {
+    let addr = start_default().await;
+    let min = gpumem::alloc::MixConfig::default().min_pods;
+    // 9000 MiB jobs only, each ranked twice (a retry): counted once each.
+    for round in 0..2 {
+        for i in 0..min {
+            let pod = pod_json(&format!("job-{i}"), 9000, 0, json!({}), json!({}));
+            let (status, r) = post_json(addr, "/prioritize", &args_nodes(&pod, &world())).await;
+            assert_eq!(status, 200, "round {round}: {r}");
+        }
+    }
+    tokio::time::sleep(gpumem::scorer::metrics::GAUGE_PERIOD).await;
+    let text = scrape(addr).await;
+    close(&text, "gpumem_scorer_mix_pods_seen", min as f64);
+    close(&text, "gpumem_scorer_mix_generation", 1.0);
+    // Against 9000 MiB jobs, `tight`'s 6000 free MiB are all fragment and `idle`'s GPU none (the
+    // configured mix said 0.65 and 0.1).
+    close(&text, "gpumem_node_fragmentation_ratio{node=\"tight\"}", 1.0);
+    close(&text, "gpumem_node_fragmentation_ratio{node=\"idle\"}", 0.0);
+}

@@ -159,10 +159,11 @@ impl Scorer {
                 ledger::subtract(&mut node, &r);
             }
             let (config, cache) = (&self.config, &self.policy_cache);
+            let mix = self.workload.current();
             let r = self.ledger.reserve(&mut node, |n| {
                 decide::check(n, d).map_err(|r| format!("node {}: {}", n.name, r.reason))?;
                 // The view prioritize used: the GPU(s) its score was for.
-                let scored = decide::prioritize(&[Arc::new(n.clone())], d, config, cache);
+                let scored = decide::prioritize(&[Arc::new(n.clone())], d, config, cache, &mix);
                 let gpus = scored
                     .into_iter()
                     .flatten()

@@ -54,8 +54,13 @@ pub struct Config {
     /// The kube-scheduler profiles whose pods `bind` binds (a pod's `spec.schedulerName`); a pod of
     /// any other scheduler is refused, so a stray caller cannot make the scorer bind it.
     pub scheduler_names: Vec<String>,
-    /// The request mix the fragmentation measure protects.
+    /// The request mix the fragmentation measure protects until the scorer has seen
+    /// [`crate::alloc::MixConfig::min_pods`] (100) GPU pods of its own; from then on, the mix it learned
+    /// from them ([`super::workload`]).
     pub typical_mix: Vec<TypicalEntry>,
+    /// The learned mix weighs each pod by how many pods came after it: a pod's weight falls by a
+    /// factor e every `mixWindowPods` pods (0: no decay, every pod seen counts the same).
+    pub mix_window_pods: f64,
     /// Serve the verbs over TLS to clients with a certificate (`--tls-listen`); see [`TlsFiles`].
     pub tls: Option<TlsFiles>,
 }
@@ -94,6 +99,7 @@ impl Default for Config {
                 whole(8, 0.02),
             ],
             tls: None,
+            mix_window_pods: crate::alloc::MixConfig::default().window,
         }
     }
 }
@@ -137,6 +143,9 @@ impl Config {
             .any(|t| t.memory_mib.is_some() == t.whole_gpus.is_some())
         {
             anyhow::bail!("each typicalMix entry needs exactly one of memoryMiB and wholeGpus");
+        }
+        if !(self.mix_window_pods >= 0.0 && self.mix_window_pods.is_finite()) {
+            anyhow::bail!("mixWindowPods is {}, must be 0 or more", self.mix_window_pods);
         }
         if self.max_body_bytes == 0 {
             anyhow::bail!("maxBodyBytes is 0");

@@ -10,6 +10,7 @@ use rand::SeedableRng;
 
 use super::config::Config;
 use super::state::{Demand, NodeSnapshot, PodDemand, TopologyNeed, WorkloadClass};
+use super::workload::CurrentMix;
 use crate::alloc::local::{PairScores, best_gpu_set, pair_score};
 use crate::alloc::{self, Cluster, Gpu, GpuDemand, GpuMask, ModelTable, Request, TypicalMix};
 use crate::gpu::TopologyLevel;
@@ -372,7 +373,24 @@ pub struct Scored {
     pub gpus: GpuMask,
 }
 
-/// The typical request mix the fragmentation measure protects, in MiB.
+/// `pod` in the placement policy's terms, asking `need_mib` of one GPU if it is a memory pod: what
+/// the policy ranks, and what the learned mix counts ([`super::workload`]). Allowed models are not
+/// carried: the policy reads them from the node's eligible GPUs.
+pub fn request_of(pod: &PodDemand, need_mib: u64) -> Request {
+    Request {
+        cpu_milli: pod.cpu_milli,
+        memory_mib: pod.memory_mib,
+        gpu: match pod.demand {
+            Demand::Memory { .. } => GpuDemand::Shared {
+                amount: u32::try_from(need_mib).unwrap_or(u32::MAX),
+            },
+            Demand::Whole { count } => GpuDemand::Whole { count },
+        },
+        models: None,
+    }
+}
+
+/// The configured typical request mix (`typicalMix`), in MiB: the prior of the learned one.
 pub fn typical_mix(cfg: &Config) -> TypicalMix {
     let total: f64 = cfg.typical_mix.iter().map(|t| t.share.max(0.0)).sum();
     let types = cfg
@@ -446,7 +464,8 @@ struct Written {
 
 struct KeptPolicy {
     need: u64,
-    shape: u64,
+    /// The view's shape and the mix's generation it was built for.
+    shape: (u64, u64),
     last_used: u64,
     policy: Box<dyn alloc::Policy>,
 }
@@ -580,8 +599,9 @@ impl View {
     /// A policy's state does not depend on the amount (its caches are checked by node content, its memo
     /// by request): one per amount only keeps a memo per amount. So a new amount, with all places taken,
     /// takes over the least recently used policy if it was built for this shape, caches and all.
-    fn policy(&mut self, need: u64, cfg: &Config, mix: &TypicalMix) -> Option<usize> {
-        let (calls, shape) = (self.calls, self.shape);
+    fn policy(&mut self, need: u64, cfg: &Config, mix: &CurrentMix) -> Option<usize> {
+        let (calls, shape) = (self.calls, (self.shape, mix.generation));
+        let mix = mix.mix.as_ref();
         let lru = || (0..self.policies.len()).min_by_key(|&i| self.policies[i].last_used);
         let at = match self.policies.iter().position(|p| p.need == need) {
             Some(at) if self.policies[at].shape == shape => at,
@@ -623,6 +643,7 @@ pub fn prioritize(
     pod: &PodDemand,
     cfg: &Config,
     cache: &PolicyCache,
+    mix: &CurrentMix,
 ) -> Vec<Option<Scored>> {
     let mut fits: Vec<(usize, Fit)> = Vec::new();
     let (mut used, mut total) = (0u64, 0u64);
@@ -655,7 +676,6 @@ pub fn prioritize(
         }
     }
     let mut policy_score: Vec<Option<(f64, GpuMask)>> = vec![None; fits.len()];
-    let mix = typical_mix(cfg);
     // Nodes with different memory units turn one request into different MiB: one policy run per amount.
     let mut needs: Vec<u64> = fits.iter().map(|(_, f)| f.need_mib).collect();
     needs.sort_unstable();
@@ -667,19 +687,8 @@ pub fn prioritize(
         let members: Vec<u32> = (0..view.first.len() as u32)
             .filter(|&at| view.first_fit(at).is_some_and(|k| fits[k].1.need_mib == need))
             .collect();
-        let gpu = match pod.demand {
-            Demand::Memory { .. } => GpuDemand::Shared {
-                amount: u32::try_from(need).unwrap_or(u32::MAX),
-            },
-            Demand::Whole { count } => GpuDemand::Whole { count },
-        };
-        let req = Request {
-            cpu_milli: pod.cpu_milli,
-            memory_mib: pod.memory_mib,
-            gpu,
-            models: None,
-        };
-        let Some(at) = view.policy(need, cfg, &mix) else {
+        let req = request_of(pod, need);
+        let Some(at) = view.policy(need, cfg, mix) else {
             continue;
         };
         let View {
@@ -790,10 +799,10 @@ pub struct Fragmentation {
     pub allocated: f64,
 }
 
-/// The fragmentation of `nodes` by the shared policy's measure ([`alloc::frag`], FGD's, against the
-/// configured typical mix), as a share of idle GPU memory; and the allocated share. Unhealthy GPUs and
-/// nodes with bad annotations count nowhere.
-pub fn fragmentation(nodes: &[&NodeSnapshot], cfg: &Config) -> Fragmentation {
+/// The fragmentation of `nodes` by the shared policy's measure ([`alloc::frag`], FGD's, against `mix`,
+/// the one the policy protects), as a share of idle GPU memory; and the allocated share. Unhealthy GPUs
+/// and nodes with bad annotations count nowhere.
+pub fn fragmentation(nodes: &[&NodeSnapshot], mix: &TypicalMix) -> Fragmentation {
     let mut models = ModelTable::default();
     let view: Vec<(&str, alloc::Node)> = nodes
         .iter()
@@ -814,7 +823,7 @@ pub fn fragmentation(nodes: &[&NodeSnapshot], cfg: &Config) -> Fragmentation {
             (n.name.as_str(), node)
         })
         .collect();
-    let model = alloc::FragModel::new(&typical_mix(cfg), &models, false);
+    let model = alloc::FragModel::new(mix, &models, false);
     let (mut frag, mut free, mut capacity) = (0.0, 0u64, 0u64);
     let mut per_node = Vec::with_capacity(view.len());
     for (name, node) in &view {
@@ -1070,12 +1079,34 @@ mod tests {
             })
             .collect();
         // Answers by node name, whatever the order of the call.
-        let run = |nodes: &[Arc<NodeSnapshot>], order: &[usize], p: &PodDemand, cache: &PolicyCache| {
+        // The configured mix, then (from round 8) a learned one: a new generation rebuilds the policies.
+        let configured = CurrentMix::fixed(typical_mix(&cfg));
+        // What a cluster of 9000 MiB jobs would teach it.
+        let nine = alloc::frag::TypicalType {
+            cpu_milli: 0,
+            memory_mib: 0,
+            gpu: GpuDemand::Shared { amount: 9000 },
+            models: None,
+            popularity: 1.0,
+        };
+        let learned = TypicalMix {
+            types: vec![nine],
+            all: vec![nine],
+        };
+        let learned = CurrentMix {
+            mix: Arc::new(learned),
+            generation: 1,
+        };
+        let run = |nodes: &[Arc<NodeSnapshot>],
+                   order: &[usize],
+                   p: &PodDemand,
+                   cache: &PolicyCache,
+                   mix: &CurrentMix| {
             let refs: Vec<Arc<NodeSnapshot>> = order.iter().map(|&i| nodes[i].clone()).collect();
             let mut answers: Vec<(String, Option<Scored>)> = refs
                 .iter()
                 .map(|n| n.name.clone())
-                .zip(prioritize(&refs, p, &cfg, cache))
+                .zip(prioritize(&refs, p, &cfg, cache, mix))
                 .collect();
             answers.sort_by(|a, b| a.0.cmp(&b.0));
             answers
@@ -1093,16 +1124,24 @@ mod tests {
                 WorkloadClass::Offline,
             );
             let fresh = PolicyCache::default();
+            let mix = if round < 8 { &configured } else { &learned };
+            if round == 8 {
+                // The two mixes rank differently: a kept policy of the old mix would be caught.
+                assert_ne!(
+                    run(&nodes, &all, &p, &PolicyCache::default(), &configured),
+                    run(&nodes, &all, &p, &PolicyCache::default(), &learned)
+                );
+            }
             assert_eq!(
-                run(&nodes, &order, &p, &kept),
-                run(&nodes, &all, &p, &fresh),
+                run(&nodes, &order, &p, &kept, mix),
+                run(&nodes, &all, &p, &fresh, mix),
                 "round {round}"
             );
             // A subset (kube-scheduler's sampling) is scored in the view of the whole cluster seen.
             let subset = &order[..4];
             assert_eq!(
-                run(&nodes, subset, &p, &kept),
-                run(&nodes, subset, &p, &fresh),
+                run(&nodes, subset, &p, &kept, mix),
+                run(&nodes, subset, &p, &fresh, mix),
                 "round {round}"
             );
             // Usage changes (the view is updated in place).
@@ -1134,7 +1173,8 @@ mod tests {
         let nodes = [Arc::new(a), Arc::new(b)];
         for (class, winner) in [(WorkloadClass::Offline, 0), (WorkloadClass::Online, 1)] {
             let p = pod(Demand::Memory { units: 5000 }, class);
-            let scored = prioritize(&nodes, &p, &cfg, &PolicyCache::default());
+            let mix = CurrentMix::fixed(typical_mix(&cfg));
+            let scored = prioritize(&nodes, &p, &cfg, &PolicyCache::default(), &mix);
             let best = (0..2).max_by(|&x, &y| {
                 let raw = |i: usize| scored[i].as_ref().expect("both fit").raw;
                 raw(x).total_cmp(&raw(y))

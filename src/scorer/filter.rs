@@ -122,7 +122,17 @@ impl Scorer {
         };
         let mut scores: Vec<i64> = vec![extender::MIN_EXTENDER_PRIORITY; states.len()];
         if let Ok(Some(d)) = demand {
-            let ranked = decide::prioritize(&states, &d, &self.config, &self.policy_cache);
+            let mix = self.workload.current();
+            let ranked = decide::prioritize(&states, &d, &self.config, &self.policy_cache, &mix);
+            // The pod counts in the mix from the next arrival on, as in `gpumem simulate`, with the
+            // MiB it asks on the first node that can take it.
+            let unit = ranked
+                .iter()
+                .zip(&states)
+                .find_map(|(r, n)| r.as_ref().map(|_| n.unit_mib))
+                .or_else(|| states.first().map(|n| n.unit_mib))
+                .unwrap_or(1);
+            self.workload.observe(&d, d.memory_mib(unit));
             for (score, ranked) in scores.iter_mut().zip(ranked) {
                 if let Some(r) = ranked {
                     *score = r.score;

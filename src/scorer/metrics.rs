@@ -7,8 +7,10 @@
 //!   memory the typical task mix cannot use (the placement policy's measure);
 //! - `gpumem_cluster_gpu_memory_allocated_ratio`: allocated GPU memory over total, healthy GPUs;
 //!
-//! and, beyond what the dashboards use, `gpumem_scorer_errors_total{verb}` and
-//! `gpumem_scorer_ledger_reservations`. The three cluster gauges are computed when scraped (see
+//! and, beyond what the dashboards use, `gpumem_scorer_errors_total{verb}`,
+//! `gpumem_scorer_ledger_reservations`, and `gpumem_scorer_mix_pods_seen` /
+//! `gpumem_scorer_mix_generation` (the pods the typical mix was learned from, and how often it moved:
+//! generation 0 is the configured `typicalMix`). The three cluster gauges are computed when scraped (see
 //! [`super::Scorer::refresh_gauges`]), at most once per [`GAUGE_PERIOD`].
 
 use std::sync::atomic::AtomicU64;
@@ -56,6 +58,8 @@ pub struct Metrics {
     pub cluster_fragmentation: Ratio,
     pub node_fragmentation: Family<NodeLabel, Ratio>,
     pub cluster_allocated: Ratio,
+    pub mix_pods_seen: Gauge,
+    pub mix_generation: Gauge,
 }
 
 impl Default for Metrics {
@@ -75,6 +79,18 @@ impl Metrics {
         let cluster_fragmentation = Ratio::default();
         let node_fragmentation = Family::<NodeLabel, Ratio>::default();
         let cluster_allocated = Ratio::default();
+        let mix_pods_seen = Gauge::default();
+        let mix_generation = Gauge::default();
+        registry.register(
+            "gpumem_scorer_mix_pods_seen",
+            "GPU pods the scorer ranked and learned its typical mix from (since it started)",
+            mix_pods_seen.clone(),
+        );
+        registry.register(
+            "gpumem_scorer_mix_generation",
+            "How often the learned typical mix moved; 0: still the configured typicalMix",
+            mix_generation.clone(),
+        );
         registry.register(
             "gpumem_scorer_request_duration_seconds",
             "Time to answer one extender call, by verb",
@@ -120,6 +136,8 @@ impl Metrics {
             cluster_fragmentation,
             node_fragmentation,
             cluster_allocated,
+            mix_pods_seen,
+            mix_generation,
         }
     }
 

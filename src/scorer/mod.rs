@@ -10,6 +10,7 @@
 //! - `filter`, `bind`, `preempt`: the verbs;
 //! - [`ledger`]: binds in flight, so that concurrent decisions never double-book a GPU;
 //! - [`victims`]: GPU-aware victim selection, pure;
+//! - [`workload`]: the typical mix learned from the pods the scorer ranks;
 //! - [`cache`]: reflector-fed node and pod caches (`nodeCacheCapable: true`);
 //! - [`server`]: HTTP (hyper + tower), `/healthz`, `/metrics`;
 //! - [`metrics`]: Prometheus metrics.
@@ -27,6 +28,7 @@ mod preempt;
 pub mod server;
 pub mod state;
 pub mod victims;
+pub mod workload;
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -59,6 +61,8 @@ pub struct Scorer {
     raw_nodes: RawNodeCache,
     /// The policy's view of the cluster, kept between `prioritize` calls.
     policy_cache: decide::PolicyCache,
+    /// The pods seen so far, and the typical mix learned from them.
+    pub workload: workload::Workload,
     /// Without a node cache: the nodes of the last `Nodes`-form call (for the cluster gauges).
     last_nodes: Mutex<Vec<Arc<NodeSnapshot>>>,
     /// When the cluster gauges were last computed.
@@ -89,6 +93,7 @@ impl Scorer {
         nodes: Option<Arc<NodeCache>>,
         pods: Option<Arc<PodCache>>,
     ) -> Scorer {
+        let workload = workload::Workload::new(&config);
         let rules = ClassRules {
             online_priority_classes: config.online_priority_classes.clone(),
             online_min_priority: config.online_min_priority,
@@ -105,6 +110,7 @@ impl Scorer {
             rules,
             raw_nodes,
             policy_cache: decide::PolicyCache::default(),
+            workload,
             last_nodes: Mutex::new(Vec::new()),
             gauges_at: Mutex::new(None),
             kept: Mutex::new(Vec::new()),
@@ -186,8 +192,15 @@ impl Scorer {
         };
         self.ledger.apply_arcs(&mut states);
         let refs: Vec<&NodeSnapshot> = states.iter().map(|s| s.as_ref()).collect();
+        let mix = self.workload.current();
         self.metrics
-            .set_fragmentation(&decide::fragmentation(&refs, &self.config));
+            .set_fragmentation(&decide::fragmentation(&refs, &mix.mix));
+        self.metrics
+            .mix_pods_seen
+            .set(i64::try_from(self.workload.seen()).unwrap_or(i64::MAX));
+        self.metrics
+            .mix_generation
+            .set(i64::try_from(mix.generation).unwrap_or(i64::MAX));
     }
 
     fn observe(&self, verb: &'static str, start: Instant) {
