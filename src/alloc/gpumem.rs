@@ -21,7 +21,8 @@
 //! Ties left after that go to the caller's tie-break (the simulator's per-seed node ranking, as the FGD
 //! artifact does). Units are the cluster's own (milli-GPUs, or MiB on a mixed fleet; one "GPU" in the
 //! terms above is the cluster's mean GPU capacity). `gpumem:ft=0:rv=0:sc=0` ranks exactly like FGD.
-//! Variants are selected with `--policy gpumem:<spec>` (see [`Options::parse`]).
+//! The scorer runs the one configuration, [`Tuning::default`]; `gpumem simulate --policy gpumem:<spec>`
+//! varies the knobs for experiments (`sim::variants`).
 
 use rand::Rng;
 
@@ -29,10 +30,11 @@ use super::fgd::Evaluator;
 use super::frag::{FragCache, FragModel, TypicalMix, TypicalType, frag_after};
 use super::{Candidate, Cluster, GpuMask, Policy, Request, indices};
 
-/// Tuning knobs. The defaults (`ft=0.001:rv=12:rx=2:sc=10:dyn=1`, FGD's sigmoid score) are what
-/// `gpumem simulate` measures as "gpumem" and what the scorer runs.
+/// The policy's knobs, for experiments. The defaults (`ft=0.001:rv=12:rx=2:sc=10:dyn=1`, FGD's sigmoid
+/// score) are the policy: what the scorer runs ([`Gpumem::new`]) and `gpumem simulate` measures as
+/// "gpumem"; only the simulator builds other tunings ([`Gpumem::with_tuning`]).
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Options {
+pub struct Tuning {
     /// Weigh task types by their share of GPU demand instead of their share of tasks.
     pub demand_weighted: bool,
     /// Fragmentation differences below this many GPUs count as equal (0: exact).
@@ -65,9 +67,9 @@ pub struct Options {
     pub reserve_exp: f64,
 }
 
-impl Default for Options {
-    fn default() -> Options {
-        Options {
+impl Default for Tuning {
+    fn default() -> Tuning {
+        Tuning {
             demand_weighted: false,
             quantum: 0.0,
             pack: 0.0,
@@ -83,38 +85,6 @@ impl Default for Options {
             dynamic: true,
             reserve_exp: 2.0,
         }
-    }
-}
-
-impl Options {
-    /// Parses `key=value` pairs separated by `:` (`dw=1:q=0.04:pack=0`), starting from the defaults.
-    /// Keys: `dw` demand-weighted, `q` quantum, `pack`, `fill`, `mem`, `all`, `gn`, `ft` fill tie weight,
-    /// `fgn` fill tie by GPUs needed, `sig` sigmoid score, `rv` reserve weight, `rx` reserve exponent,
-    /// `sc` scarcity weight, `dyn` dynamic scarcity (booleans: 0 or 1).
-    pub fn parse(spec: &str) -> Option<Options> {
-        let mut o = Options::default();
-        for kv in spec.split(':').filter(|s| !s.is_empty()) {
-            let (k, v) = kv.split_once('=')?;
-            let x: f64 = v.parse().ok()?;
-            match k {
-                "dw" => o.demand_weighted = x != 0.0,
-                "q" => o.quantum = x,
-                "pack" => o.pack = x,
-                "fill" => o.fill = x != 0.0,
-                "mem" => o.memory = x != 0.0,
-                "all" => o.all_types = x != 0.0,
-                "gn" => o.gpus_needed = x != 0.0,
-                "ft" => o.fill_tie = x,
-                "fgn" => o.fill_tie_gpus = x != 0.0,
-                "sig" => o.sigmoid = x != 0.0,
-                "rv" => o.reserve = x,
-                "sc" => o.scarcity = x,
-                "dyn" => o.dynamic = x != 0.0,
-                "rx" => o.reserve_exp = x,
-                _ => return None,
-            }
-        }
-        Some(o)
     }
 }
 
@@ -272,7 +242,7 @@ impl Memo {
 pub struct Gpumem {
     eval: Evaluator,
     unit: f64,
-    opts: Options,
+    opts: Tuning,
     /// The fill measure for tie-breaking: model, cache, scratch.
     second: Option<(FragModel, FragCache, Vec<u32>, Vec<u64>)>,
     /// Multi-GPU task types worth keeping room for, with their weight.
@@ -289,10 +259,10 @@ pub struct Gpumem {
 impl Gpumem {
     /// A policy protecting `mix` on a cluster like `cluster`.
     pub fn new(mix: &TypicalMix, cluster: &Cluster) -> Gpumem {
-        Gpumem::with_options(mix, cluster, Options::default())
+        Gpumem::with_tuning(mix, cluster, Tuning::default())
     }
 
-    pub fn with_options(mix: &TypicalMix, cluster: &Cluster, opts: Options) -> Gpumem {
+    pub fn with_tuning(mix: &TypicalMix, cluster: &Cluster, opts: Tuning) -> Gpumem {
         let unit = f64::from(cluster.mean_gpu_capacity().max(1));
         let mix = if opts.gpus_needed && !mix.all.is_empty() {
             mix.by_gpus_needed()
@@ -565,13 +535,25 @@ mod tests {
         }
     }
 
-    fn exact() -> Options {
-        Options::parse("sig=0:pack=0.000001:ft=0:rv=0:sc=0").expect("valid spec")
+    fn exact() -> Tuning {
+        Tuning {
+            sigmoid: false,
+            pack: 0.000001,
+            fill_tie: 0.0,
+            reserve: 0.0,
+            scarcity: 0.0,
+            ..Tuning::default()
+        }
     }
 
     /// The knobs off: FGD's ranking.
-    fn fgd_like() -> Options {
-        Options::parse("ft=0:rv=0:sc=0").expect("valid spec")
+    fn fgd_like() -> Tuning {
+        Tuning {
+            fill_tie: 0.0,
+            reserve: 0.0,
+            scarcity: 0.0,
+            ..Tuning::default()
+        }
     }
 
     fn typ(cpu_milli: u64, gpu: GpuDemand, models: Option<ModelSet>, popularity: f64) -> TypicalType {
@@ -590,9 +572,9 @@ mod tests {
             node("idle", 64_000, &[1000, 1000]),
             node("used", 64_000, &[750, 1000]),
         ]);
-        for opts in [Options::default(), exact()] {
+        for opts in [Tuning::default(), exact()] {
             let w = winner(
-                &mut Gpumem::with_options(&mix(), &c, opts),
+                &mut Gpumem::with_tuning(&mix(), &c, opts),
                 &c,
                 &Request::shared(1000, 0, 250),
             );
@@ -609,9 +591,9 @@ mod tests {
         ]);
         let req = Request::shared(1000, 0, 255);
         let mut out = Vec::new();
-        Gpumem::with_options(&mix(), &c, fgd_like()).score(&c, &req, &mut rng(), &mut out);
+        Gpumem::with_tuning(&mix(), &c, fgd_like()).score(&c, &req, &mut rng(), &mut out);
         assert_eq!(out[0].score, out[1].score, "FGD's integer score ties them");
-        let w = winner(&mut Gpumem::with_options(&mix(), &c, exact()), &c, &req);
+        let w = winner(&mut Gpumem::with_tuning(&mix(), &c, exact()), &c, &req);
         assert_eq!(
             (w.node, w.gpus),
             (0, GpuMask::single(1)),
@@ -627,9 +609,12 @@ mod tests {
             node("gpus", 3000, &[1000, 1000]),
             node("busy", 3000, &[0, 0]),
         ]);
-        let opts = Options::parse("ft=0.001").expect("valid spec");
+        let opts = Tuning {
+            fill_tie: 0.001,
+            ..Tuning::default()
+        };
         let w = winner(
-            &mut Gpumem::with_options(&mix(), &c, opts),
+            &mut Gpumem::with_tuning(&mix(), &c, opts),
             &c,
             &Request::cpu_only(2500, 0),
         );
@@ -637,13 +622,8 @@ mod tests {
     }
 
     #[test]
-    fn option_specs_parse_and_reject_garbage() {
-        assert_eq!(Options::parse(""), Some(Options::default()));
-        let o = Options::parse("q=0.08:ft=0.01:fgn=1:sig=0").expect("valid");
-        assert!(o.quantum == 0.08 && o.fill_tie == 0.01 && o.fill_tie_gpus && !o.sigmoid);
-        assert!(Options::parse("nope=1").is_none());
-        assert!(Options::parse("q").is_none());
-        let d = Options::default();
+    fn the_production_tuning_has_every_term_on() {
+        let d = Tuning::default();
         assert!(d.sigmoid && d.fill_tie > 0.0 && d.reserve > 0.0 && d.scarcity > 0.0 && d.dynamic);
         let off = fgd_like();
         assert!(off.fill_tie == 0.0 && off.reserve == 0.0 && off.scarcity == 0.0);
@@ -664,7 +644,7 @@ mod tests {
             Request::whole(4000, 0, 2),
             Request::cpu_only(3000, 0),
         ];
-        let mut ours = Gpumem::with_options(&mix(), &c, fgd_like());
+        let mut ours = Gpumem::with_tuning(&mix(), &c, fgd_like());
         let mut fgd = Fgd::new(FragModel::new(&mix(), &c.models, false));
         for req in &reqs {
             let (mut a, mut b) = (Vec::new(), Vec::new());
@@ -690,7 +670,7 @@ mod tests {
         ];
         let req = Request::whole(11_000, 0, 1);
         let mut fgd_out = Vec::new();
-        Gpumem::with_options(&m, &c, fgd_like()).score(&c, &req, &mut rng(), &mut fgd_out);
+        Gpumem::with_tuning(&m, &c, fgd_like()).score(&c, &req, &mut rng(), &mut fgd_out);
         assert_eq!(fgd_out[0].score, fgd_out[1].score, "FGD ties the two");
         let w = winner(&mut Gpumem::new(&m, &c), &c, &req);
         assert_eq!(
@@ -756,7 +736,14 @@ mod tests {
         p.score(&c, &Request::whole(1000, 0, 1), &mut rng(), &mut out);
         // Cluster 3/4 free, B 1/2 free: 10 x 0.75 / 0.5.
         assert!((p.now[1] - 15.0).abs() < 1e-9, "{}", p.now[1]);
-        let mut fixed = Gpumem::with_options(&m, &c, Options::parse("dyn=0").expect("valid"));
+        let mut fixed = Gpumem::with_tuning(
+            &m,
+            &c,
+            Tuning {
+                dynamic: false,
+                ..Tuning::default()
+            },
+        );
         fixed.score(&c, &Request::whole(1000, 0, 1), &mut rng(), &mut out);
         assert!((fixed.now[1] - 10.0).abs() < 1e-9);
     }
@@ -765,22 +752,48 @@ mod tests {
     fn memo_gives_bit_for_bit_what_a_fresh_policy_computes() {
         let mut r = rng();
         // (requests the mix is drawn from, options, chance that the request changes between calls)
-        for (case, (mix_size, spec, new_req)) in [
-            (150, "", 0.4),
-            (150, "", 0.03),
-            (150, "sig=0:q=0.04:pack=0.01:fgn=1:mem=1", 0.4),
-            (150, "ft=0:dyn=0", 0.4),
-            (150, "rv=0:sc=0", 0.4),
-            (3000, "", 0.4),
+        for (case, (mix_size, opts, new_req)) in [
+            (150, Tuning::default(), 0.4),
+            (150, Tuning::default(), 0.03),
+            (
+                150,
+                Tuning {
+                    sigmoid: false,
+                    quantum: 0.04,
+                    pack: 0.01,
+                    fill_tie_gpus: true,
+                    memory: true,
+                    ..Tuning::default()
+                },
+                0.4,
+            ),
+            (
+                150,
+                Tuning {
+                    fill_tie: 0.0,
+                    dynamic: false,
+                    ..Tuning::default()
+                },
+                0.4,
+            ),
+            (
+                150,
+                Tuning {
+                    reserve: 0.0,
+                    scarcity: 0.0,
+                    ..Tuning::default()
+                },
+                0.4,
+            ),
+            (3000, Tuning::default(), 0.4),
         ]
         .into_iter()
         .enumerate()
         {
-            let opts = Options::parse(spec).expect("valid spec");
             let base = random_cluster(&mut r, 12, 6);
             let reqs: Vec<Request> = (0..mix_size).map(|_| random_request(&mut r)).collect();
             let mix = TypicalMix::from_requests(&reqs, 0.95);
-            let mut memo = Gpumem::with_options(&mix, &base, opts);
+            let mut memo = Gpumem::with_tuning(&mix, &base, opts);
             let words = if mix_size > 1000 && opts.reserve > 0.0 {
                 2
             } else {
@@ -834,7 +847,7 @@ mod tests {
                     .filter(|&i| before[i] == memo.memo.heads[i])
                     .count();
                 compactions += usize::from(memo.memo.req_no == req_no && memo.memo.pieces.len() < kept);
-                Gpumem::with_options(&mix, &base, opts).score(&c, &req, &mut rng(), &mut b);
+                Gpumem::with_tuning(&mix, &base, opts).score(&c, &req, &mut rng(), &mut b);
                 if a.len() != b.len() {
                     b.retain(|x| nodes.contains(&x.node));
                 }

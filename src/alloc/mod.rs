@@ -645,23 +645,16 @@ pub fn build_policy(name: &str, cluster: &Cluster, mix: &TypicalMix) -> Option<B
         "bestfit" => Box::new(baselines::BestFit::new(spec)),
         "fgd" => Box::new(fgd::Fgd::new(FragModel::new(mix, &cluster.models, false))),
         "gpumem" => Box::new(gpumem::Gpumem::new(mix, cluster)),
-        other => match other.strip_prefix("gpumem:") {
-            Some(spec) => Box::new(gpumem::Gpumem::with_options(
-                mix,
-                cluster,
-                gpumem::Options::parse(spec)?,
-            )),
-            None => return None,
-        },
+        _ => return None,
     };
     Some(p)
 }
 
-/// Whether the policy called `name` reads the typical mix (FGD and gpumem, with any options): the
-/// others rank the same whatever the mix, so an online view changes nothing for them.
+/// Whether the policy called `name` reads the typical mix (FGD and gpumem): the others rank the same
+/// whatever the mix, so an online view changes nothing for them.
 pub fn uses_mix(name: &str) -> bool {
     let lower = name.to_ascii_lowercase();
-    lower == "fgd" || lower == "gpumem" || lower.starts_with("gpumem:")
+    lower == "fgd" || lower == "gpumem"
 }
 
 /// The canonical spelling of a policy name, if known.

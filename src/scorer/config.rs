@@ -156,3 +156,21 @@ impl Config {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_scorer_runs_named_policies_only() {
+        let with = |policy: &str| Config {
+            policy: policy.into(),
+            ..Config::default()
+        };
+        assert!(with("gpumem").validate().is_ok());
+        assert!(with("FGD").validate().is_ok());
+        // The knobs are the simulator's (`gpumem simulate --policy gpumem:<spec>`), not a deployment's.
+        let err = with("gpumem:rv=0").validate().expect_err("a variant");
+        assert!(err.to_string().contains("unknown policy"), "{err}");
+    }
+}

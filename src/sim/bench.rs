@@ -35,7 +35,7 @@ pub fn run(
     let mut rows = Vec::new();
     for &name in policies {
         let mut cluster = trace.cluster.clone();
-        let mut policy = alloc::build_policy(name, &cluster, mix)
+        let mut policy = super::variants::build_policy(name, &cluster, mix)
             .ok_or_else(|| anyhow::anyhow!("unknown policy {name}"))?;
         let mut rng = Pcg64Mcg::seed_from_u64(seed);
         let mut out: Vec<Candidate> = Vec::with_capacity(cluster.nodes.len());
@@ -63,7 +63,7 @@ pub fn run(
         let cold_n = (decisions / 10).max(1);
         let t = Instant::now();
         for req in sample.iter().take(cold_n) {
-            let mut fresh = alloc::build_policy(name, &cluster, mix)
+            let mut fresh = super::variants::build_policy(name, &cluster, mix)
                 .ok_or_else(|| anyhow::anyhow!("unknown policy {name}"))?;
             fresh.score(&cluster, req, &mut rng, &mut out);
             chosen += usize::from(alloc::select(&out, tie, &mut rng).is_some());

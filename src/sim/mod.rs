@@ -6,6 +6,7 @@ pub mod bench;
 pub mod replay;
 pub mod report;
 pub mod trace;
+pub mod variants;
 
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
@@ -14,10 +15,11 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 
-use crate::alloc::{MixConfig, POLICY_NAMES, TypicalMix, canonical_policy_name, uses_mix};
+use crate::alloc::{MixConfig, POLICY_NAMES, TypicalMix, canonical_policy_name};
 use replay::{MixView, RunResult};
 use report::{PolicyRuns, Published};
 use trace::Trace;
+use variants::uses_mix;
 
 const DEFAULT_NODES: &str = "../shared/traces/openb/openb_node_list_gpu_node.csv";
 const DEFAULT_PODS: &str = "../shared/traces/openb/openb_pod_list_default.csv";
@@ -88,7 +90,7 @@ pub struct SimulateArgs {
 }
 
 /// Resolves the policy list (canonical names, in the standard order when defaulted). A gpumem variant
-/// `gpumem:<spec>` (see `alloc::gpumem::Options::parse`) is kept as written.
+/// `gpumem:<spec>` (see [`variants::parse_tuning`]) is kept as written.
 pub fn policy_list(requested: &[String]) -> Result<Vec<&'static str>> {
     if requested.is_empty() {
         return Ok(POLICY_NAMES.to_vec());
@@ -97,8 +99,8 @@ pub fn policy_list(requested: &[String]) -> Result<Vec<&'static str>> {
     for r in requested {
         let r = r.trim();
         if let Some(spec) = r.strip_prefix("gpumem:") {
-            if crate::alloc::gpumem::Options::parse(spec).is_none() {
-                bail!("bad gpumem variant {r:?} (keys: see `gpumem::Options::parse`)");
+            if variants::parse_tuning(spec).is_none() {
+                bail!("bad gpumem variant {r:?} (keys: see `sim::variants::parse_tuning`)");
             }
             // A few bytes per distinct variant, for the life of the command.
             let name: &'static str = Box::leak(r.to_string().into_boxed_str());

@@ -150,7 +150,7 @@ pub fn replay(
 }
 
 /// [`replay`] with the policy's view of the workload given by `view`: with [`MixView::Online`] the
-/// policy (if it reads a mix, [`alloc::uses_mix`]) is built from the pods arrived so far, and rebuilt
+/// policy (if it reads a mix, [`super::variants::uses_mix`]) is built from the pods arrived so far, and rebuilt
 /// whenever the learned mix moves. `mix` is still what the fragmentation metric measures against.
 #[allow(clippy::too_many_arguments)]
 pub fn replay_with(
@@ -199,10 +199,13 @@ pub fn replay_sequence(
     let start = std::time::Instant::now();
     let mut cluster: Cluster = trace.cluster.clone();
     let build = |cluster: &Cluster, mix: &TypicalMix| {
-        alloc::build_policy(policy, cluster, mix).ok_or_else(|| anyhow::anyhow!("unknown policy {policy:?}"))
+        super::variants::build_policy(policy, cluster, mix)
+            .ok_or_else(|| anyhow::anyhow!("unknown policy {policy:?}"))
     };
     let mut online = match view {
-        MixView::Online(cfg) if alloc::uses_mix(policy) => Some(OnlineMix::new(cfg, TypicalMix::default())),
+        MixView::Online(cfg) if super::variants::uses_mix(policy) => {
+            Some(OnlineMix::new(cfg, TypicalMix::default()))
+        }
         _ => None,
     };
     let mut pol = build(&cluster, online.as_ref().map_or(mix, |o| o.mix()))?;
