@@ -180,20 +180,28 @@ async fn every_scorer_metric_the_deployment_queries_is_exported() {
     );
 }
 
-/// The scorer learns its typical mix from the pods it ranks (over HTTP, as kube-scheduler sends them),
-/// and from then on measures (and places) against what it learned, not the configured mix.
+/// The scorer learns its typical mix from the pods it decides on (over HTTP, as kube-scheduler sends
+/// them), and from then on measures (and places) against what it learned, not the configured mix.
 #[tokio::test]
-async fn the_typical_mix_is_learned_from_the_pods_ranked() {
+async fn the_typical_mix_is_learned_from_the_pods_decided() {
     let addr = start_default().await;
     let min = gpumem::alloc::MixConfig::default().min_pods;
-    // 9000 MiB jobs only, each ranked twice (a retry): counted once each.
+    let tight = world().into_iter().next().expect("tight");
+    // 9000 MiB jobs that `tight` (6000 MiB free) cannot take: decided at filter, each counted once
+    // although filtered twice (kube-scheduler retries an unschedulable pod).
     for round in 0..2 {
         for i in 0..min {
             let pod = pod_json(&format!("job-{i}"), 9000, 0, json!({}), json!({}));
-            let (status, r) = post_json(addr, "/prioritize", &args_nodes(&pod, &world())).await;
+            let (status, r) =
+                post_json(addr, "/filter", &args_nodes(&pod, std::slice::from_ref(&tight))).await;
             assert_eq!(status, 200, "round {round}: {r}");
+            assert_eq!(r["Nodes"]["items"], json!([]), "{r}");
         }
     }
+    // Ranking is no decision of the pod's: not counted.
+    let pod = pod_json("ranked", 2000, 0, json!({}), json!({}));
+    let (status, _) = post_json(addr, "/prioritize", &args_nodes(&pod, &world())).await;
+    assert_eq!(status, 200);
     tokio::time::sleep(gpumem::scorer::metrics::GAUGE_PERIOD).await;
     let text = scrape(addr).await;
     close(&text, "gpumem_scorer_mix_pods_seen", min as f64);

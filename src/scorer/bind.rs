@@ -182,8 +182,10 @@ impl Scorer {
                     },
                     at: Instant::now(),
                 })
-            })?;
-            reserved = Some(r);
+            });
+            // Decided: the pod counts in the learned mix from the next decision on.
+            self.workload.observe(d, d.memory_mib(node.unit_mib));
+            reserved = Some(r?);
         }
         let outcome = async {
             if let Some(r) = &reserved {

@@ -53,6 +53,13 @@ impl Scorer {
                         reject(i, r, &mut result);
                     }
                 }
+                // A pod no node can take arrived all the same: it counts in the learned mix (a pod
+                // that is placed counts at its bind, after the decision, as in `gpumem simulate`).
+                if let Some(first) = states.first()
+                    && !keep.iter().any(|k| *k)
+                {
+                    self.workload.observe(&d, d.memory_mib(first.unit_mib));
+                }
             }
         }
         if let Some(list) = args.nodes.take() {
@@ -124,15 +131,6 @@ impl Scorer {
         if let Ok(Some(d)) = demand {
             let mix = self.workload.current();
             let ranked = decide::prioritize(&states, &d, &self.config, &self.policy_cache, &mix);
-            // The pod counts in the mix from the next arrival on, as in `gpumem simulate`, with the
-            // MiB it asks on the first node that can take it.
-            let unit = ranked
-                .iter()
-                .zip(&states)
-                .find_map(|(r, n)| r.as_ref().map(|_| n.unit_mib))
-                .or_else(|| states.first().map(|n| n.unit_mib))
-                .unwrap_or(1);
-            self.workload.observe(&d, d.memory_mib(unit));
             for (score, ranked) in scores.iter_mut().zip(ranked) {
                 if let Some(r) = ranked {
                     *score = r.score;

@@ -1,5 +1,7 @@
-//! The workload the scorer has seen: every GPU pod it was asked to rank, counted once (by UID), in the
-//! order they came, into the learner `gpumem simulate` replays with ([`crate::alloc::mix`]). The
+//! The workload the scorer has seen: every GPU pod it decided on, counted once (by UID) once decided
+//! (at its bind, or at a filter that leaves it no node), in the order they came, into the learner
+//! `gpumem simulate` replays with ([`crate::alloc::mix`]): a decision never knows its own pod, and
+//! `prioritize` and `bind` of one pod see the same mix. The
 //! fragmentation-aware policy protects the mix learned from them; `typicalMix` in the configuration
 //! is the prior until [`MixConfig::min_pods`] pods were seen. A restarted scorer starts again from
 //! the prior.
