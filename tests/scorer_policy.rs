@@ -16,7 +16,6 @@ use std::sync::Arc;
 use gpumem::alloc::{self, Candidate, Cluster, Gpu, GpuDemand, ModelTable, OnlineMix, Request};
 use gpumem::scorer::Scorer;
 use gpumem::scorer::config::Config;
-use gpumem::scorer::decide::typical_mix;
 use gpumem::scorer::extender::MAX_EXTENDER_PRIORITY;
 use gpumem::scorer::workload::mix_config;
 use rand::SeedableRng as _;
@@ -142,7 +141,7 @@ async fn the_scorer_ranks_and_chooses_gpus_as_the_simulators_policy_does() {
     let (addr, scorer) = start(Scorer::new(cfg.clone(), Some(client), None, None)).await;
 
     let mut sim = cluster();
-    let mut online = OnlineMix::new(mix_config(&cfg), typical_mix(&cfg));
+    let mut online = OnlineMix::new(mix_config(&cfg), cfg.prior_mix());
     let mut moved_at = None;
     for (k, ((name, mib), object)) in pods.iter().zip(&pod_objects).enumerate() {
         // The simulator's decision: the mix of the pods before this one, a policy built from it.

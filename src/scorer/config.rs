@@ -105,6 +105,35 @@ impl Default for Config {
 }
 
 impl Config {
+    /// The configured typical request mix (`typicalMix`), in MiB: the prior of the learned one
+    /// ([`super::workload`]).
+    pub fn prior_mix(&self) -> crate::alloc::TypicalMix {
+        use crate::alloc::GpuDemand;
+        let total: f64 = self.typical_mix.iter().map(|t| t.share.max(0.0)).sum();
+        let types = self
+            .typical_mix
+            .iter()
+            .filter(|t| t.share > 0.0)
+            .map(|t| crate::alloc::frag::TypicalType {
+                cpu_milli: 0,
+                memory_mib: 0,
+                gpu: match (t.memory_mib, t.whole_gpus) {
+                    (Some(m), _) => GpuDemand::Shared {
+                        amount: u32::try_from(m).unwrap_or(u32::MAX),
+                    },
+                    (None, Some(c)) => GpuDemand::Whole { count: c },
+                    (None, None) => GpuDemand::None,
+                },
+                models: None,
+                popularity: t.share / total,
+            })
+            .collect();
+        crate::alloc::TypicalMix {
+            types,
+            all: Vec::new(),
+        }
+    }
+
     pub fn load(path: &std::path::Path) -> anyhow::Result<Config> {
         let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
         let cfg: Config =

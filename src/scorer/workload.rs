@@ -10,7 +10,7 @@ use std::collections::{HashSet, VecDeque};
 use std::sync::{Arc, Mutex};
 
 use super::config::Config;
-use super::decide::{self, typical_mix};
+use super::decide;
 use super::state::PodDemand;
 use crate::alloc::{MixConfig, OnlineMix, TypicalMix};
 
@@ -60,7 +60,7 @@ pub fn mix_config(cfg: &Config) -> MixConfig {
 
 impl Workload {
     pub fn new(cfg: &Config) -> Workload {
-        let online = OnlineMix::new(mix_config(cfg), typical_mix(cfg));
+        let online = OnlineMix::new(mix_config(cfg), cfg.prior_mix());
         let current = CurrentMix::fixed(online.mix().clone());
         Workload {
             inner: Mutex::new(Inner {
@@ -143,7 +143,7 @@ mod tests {
         let cfg = Config::default();
         let workload = Workload::new(&cfg);
         let prior = workload.current();
-        assert_eq!(*prior.mix, typical_mix(&cfg));
+        assert_eq!(*prior.mix, cfg.prior_mix());
         assert!(prior.mix.all.is_empty(), "the configured mix has no 'all types'");
         let min = mix_config(&cfg).min_pods;
         for i in 0..min - 1 {
