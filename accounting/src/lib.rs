@@ -46,6 +46,9 @@
 //! opens nothing but a regular file, and rejects impossible numbers (see there). The shim is not a
 //! security boundary (a process can always talk to the driver directly); it keeps honest programs
 //! within their share.
+//!
+//! One file, over the usual ~600 lines: the file format, its layout checks and the lock-free operations
+//! on it share invariants (who may write which word, in which order) that must be read together.
 
 use std::fmt;
 use std::fs::{File, OpenOptions};

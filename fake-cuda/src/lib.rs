@@ -31,6 +31,9 @@
 //! `CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM` (2) selecting the `_ptsz` variants of calls that
 //! take a stream. Unknown symbols: `CUDA_ERROR_NOT_FOUND` with status `SYMBOL_NOT_FOUND` (1); known
 //! but newer than the caller: `CUDA_ERROR_NOT_FOUND` with `VERSION_NOT_SUFFICIENT` (2).
+//!
+//! One file, over the usual ~600 lines: it is one C ABI surface (the driver entry points the shim
+//! wraps, and the host bookkeeping they share), read top to bottom against `cuda.h`.
 
 // The exported names are the CUDA driver's; their safety contract is the driver API's.
 #![allow(non_snake_case, clippy::missing_safety_doc)]

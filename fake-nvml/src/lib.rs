@@ -81,6 +81,9 @@
 //!
 //! Telemetry is plausible and deterministic: temperature, power and utilisation follow the share
 //! of memory in use; no compute processes ever run.
+//!
+//! One file, over the usual ~600 lines: it is one C ABI surface (every NVML entry point the agent calls
+//! and the profile it answers from), read top to bottom against NVML's header.
 
 // The exported names are NVML's; their safety contract is NVML's C API (valid pointers or null).
 #![allow(non_snake_case, clippy::missing_safety_doc)]

@@ -3,6 +3,10 @@
 //! Allocations come from the kubelet's PodResources API (the only place that learns when a pod ends,
 //! and the picture an agent restart starts from), plus the agent's own allocations the kubelet has not
 //! listed yet. Every change that alters a device list bumps a version that ListAndWatch streams follow.
+//!
+//! One file, over the usual ~600 lines: every node-local decision reads and writes the one state behind
+//! one lock, and the invariants between health, the kubelet's allocations and the agent's own pending
+//! ones are kept in view together.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::{Mutex, MutexGuard};

@@ -13,6 +13,9 @@
 //! Policies: the FGD paper's baselines ([`baselines`]: Random, DotProduct, GpuClustering, GpuPacking,
 //! BestFit), FGD itself ([`fgd`]), and gpumem's own policy ([`gpumem`]). The fragmentation measure they
 //! share lives in [`frag`].
+//!
+//! One file, over the usual ~600 lines: the types every policy shares (cluster, node, GPU, request,
+//! candidate) and the one selection and placement they all go through.
 
 pub mod baselines;
 pub mod fgd;
