@@ -557,5 +557,19 @@ async fn bind_refuses_what_kube_scheduler_would_never_ask_for() {
     // The pod that passes every check still binds.
     let (_, r) = post_json(addr, "/bind", &bind_args("fine", "n")).await;
     assert_eq!(r["Error"], "", "{r}");
+    // A pod the API server does not have: its 404, told apart from the refusals above.
+    let (_, r) = post_json(addr, "/bind", &bind_args("gone", "n")).await;
+    assert!(
+        r["Error"]
+            .as_str()
+            .is_some_and(|e| e.contains("reading pod team-a/gone")),
+        "{r}"
+    );
+    // Every refusal counted by its kind.
+    let (_, text) = Conn::open(addr).await.request("GET", "/metrics", b"").await;
+    for (kind, count) in [("bad_request", 4), ("not_bindable", 4), ("not_found", 1)] {
+        let series = format!("gpumem_scorer_bind_failures_total{{kind=\"{kind}\"}} {count}");
+        assert!(text.contains(&series), "{series} in:\n{text}");
+    }
     api.assert_all_granted();
 }

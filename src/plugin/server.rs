@@ -11,6 +11,7 @@ use tokio::sync::watch;
 use tokio_stream::Stream;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
+use tracing::Instrument as _;
 
 use super::proto::KUBELET_MAX_RECV_BYTES;
 use super::proto::v1beta1::device_plugin_server::DevicePlugin;
@@ -83,6 +84,12 @@ pub struct Plugin {
 const LIST_AND_WATCH_TICK: Duration = Duration::from_secs(10);
 
 impl Plugin {
+    /// A span for one kubelet call: the call and the resource. (The kubelet names no pod in the
+    /// Device Plugin API; the agent's own logs inside it say which GPU and limit it handed out.)
+    fn span(&self, call: &'static str) -> tracing::Span {
+        tracing::info_span!("kubelet", call, resource = %self.source.resource())
+    }
+
     /// Records a refused request and turns it into the gRPC status the kubelet shows the user.
     fn refuse(&self, err: RequestError) -> Status {
         self.source.refused(&err);
@@ -159,6 +166,7 @@ impl DevicePlugin for Plugin {
         &self,
         request: Request<PreferredAllocationRequest>,
     ) -> Result<Response<PreferredAllocationResponse>, Status> {
+        let span = self.span("GetPreferredAllocation");
         let started = std::time::Instant::now();
         let mut container_responses = Vec::new();
         for req in request.into_inner().container_requests {
@@ -168,8 +176,9 @@ impl DevicePlugin for Plugin {
             let ids = self
                 .source
                 .preferred(&req.available_device_i_ds, &req.must_include_device_i_ds, size)
+                .instrument(span.clone())
                 .await
-                .map_err(|e| self.refuse(e))?;
+                .map_err(|e| span.in_scope(|| self.refuse(e)))?;
             container_responses.push(ContainerPreferredAllocationResponse { device_i_ds: ids });
         }
         self.source
@@ -181,13 +190,21 @@ impl DevicePlugin for Plugin {
         &self,
         request: Request<AllocateRequest>,
     ) -> Result<Response<AllocateResponse>, Status> {
+        let span = self.span("Allocate");
         let started = std::time::Instant::now();
         let mut container_responses = Vec::new();
         for req in request.into_inner().container_requests {
-            let response = self.source.allocate(&req.devices_ids).await.map_err(|e| {
-                tracing::warn!(resource = self.source.resource(), error = %e, "Allocate refused");
-                self.refuse(e)
-            })?;
+            let response = self
+                .source
+                .allocate(&req.devices_ids)
+                .instrument(span.clone())
+                .await
+                .map_err(|e| {
+                    span.in_scope(|| {
+                        tracing::warn!(error = %e, devices = req.devices_ids.len(), "Allocate refused");
+                        self.refuse(e)
+                    })
+                })?;
             container_responses.push(response);
         }
         self.source.served("Allocate", started.elapsed().as_secs_f64());

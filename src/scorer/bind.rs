@@ -3,6 +3,7 @@
 
 use super::extender::{ExtenderBindingArgs, ExtenderBindingResult};
 use super::ledger::Reservation;
+use super::metrics::KindLabel;
 use super::state::NodeSnapshot;
 use super::{Scorer, decide, ledger, state};
 use crate::node::{ASSIGNED_AT_ANNOTATION, ASSIGNED_GPUS_ANNOTATION};
@@ -12,41 +13,101 @@ use kube::Api;
 use kube::api::{Patch, PatchParams, PostParams};
 use std::sync::Arc;
 use std::time::Instant;
+use tracing::Instrument as _;
+
+/// Why a bind failed. Its text is the extender's `Error` (kube-scheduler puts it in the pod's
+/// events); its [`BindError::kind`] labels `gpumem_scorer_bind_failures_total`.
+#[derive(Debug, thiserror::Error)]
+pub enum BindError {
+    /// kube-scheduler's arguments are not what it sends (a missing field, an invalid name).
+    #[error("{0}")]
+    BadRequest(String),
+    #[error("this scorer has no Kubernetes client")]
+    NoClient,
+    /// The API server refused or failed a request.
+    #[error("{what}: {source}")]
+    Api {
+        what: String,
+        #[source]
+        source: kube::Error,
+    },
+    /// The pod is not one kube-scheduler would ask this scorer to bind (recreated, bound, being
+    /// deleted, another scheduler's).
+    #[error("{0}")]
+    NotBindable(String),
+    /// The pod's GPU request cannot be read.
+    #[error("{0}")]
+    BadPod(String),
+    /// The node cannot host the pod any more (another bind took the room).
+    #[error("{0}")]
+    DoesNotFit(String),
+}
+
+impl BindError {
+    /// A short label: the error's kind, and for the API server's refusals its HTTP status by name.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            BindError::BadRequest(_) => "bad_request",
+            BindError::NoClient => "no_client",
+            BindError::NotBindable(_) => "not_bindable",
+            BindError::BadPod(_) => "bad_pod",
+            BindError::DoesNotFit(_) => "does_not_fit",
+            BindError::Api { source, .. } => match source {
+                kube::Error::Api(status) => match status.code {
+                    403 => "forbidden",
+                    404 => "not_found",
+                    409 => "conflict",
+                    422 => "invalid",
+                    429 => "throttled",
+                    500.. => "server_error",
+                    _ => "api_error",
+                },
+                _ => "unreachable",
+            },
+        }
+    }
+
+    fn api(what: impl Into<String>) -> impl FnOnce(kube::Error) -> BindError {
+        let what = what.into();
+        move |source| BindError::Api { what, source }
+    }
+}
 
 impl Scorer {
     /// The GPU state of one node: from the cache, else from the API server.
-    pub(super) async fn node_state(&self, name: &str) -> Result<NodeSnapshot, String> {
+    pub(super) async fn node_state(&self, name: &str) -> Result<NodeSnapshot, BindError> {
         if let Some(s) = self.nodes.as_ref().and_then(|c| c.get(name)) {
             return Ok((*s).clone());
         }
-        let client = self
-            .client
-            .clone()
-            .ok_or("this scorer has no Kubernetes client")?;
+        let client = self.client.clone().ok_or(BindError::NoClient)?;
         let node = Api::<Node>::all(client)
             .get(name)
             .await
-            .map_err(|e| format!("reading node {name}: {e}"))?;
+            .map_err(BindError::api(format!("reading node {name}")))?;
         Ok(NodeSnapshot::from_node(&node))
     }
 
     /// `bind`: choose the GPU(s), reserve them in the ledger, record them on the pod, create the Binding.
     pub async fn bind(&self, args: ExtenderBindingArgs) -> ExtenderBindingResult {
         let start = Instant::now();
-        let result = self.bind_inner(&args).await;
+        let span = tracing::info_span!(
+            "bind",
+            pod = %format!("{}/{}", args.pod_namespace, args.pod_name),
+            node = %args.node
+        );
+        let result = self.bind_inner(&args).instrument(span.clone()).await;
         self.metrics.ledger.set(self.ledger.len() as i64);
         self.observe("bind", start);
         match result {
             Ok(()) => ExtenderBindingResult::default(),
             Err(e) => {
                 self.error("bind");
-                tracing::warn!(
-                    "bind {}/{} to {}: {e}",
-                    args.pod_namespace,
-                    args.pod_name,
-                    args.node
-                );
-                ExtenderBindingResult { error: e }
+                self.metrics
+                    .bind_failures
+                    .get_or_create(&KindLabel { kind: e.kind() })
+                    .inc();
+                span.in_scope(|| tracing::warn!(kind = e.kind(), "bind refused: {e}"));
+                ExtenderBindingResult { error: e.to_string() }
             }
         }
     }
@@ -106,24 +167,31 @@ impl Scorer {
 
     /// Refuses to bind what kube-scheduler would never ask this scorer to bind: another incarnation of
     /// the pod, a pod already bound or being deleted, a pod of a scheduler this scorer does not serve.
-    fn check_bindable(&self, pod: &Pod, args: &ExtenderBindingArgs, namespace: &str) -> Result<(), String> {
+    fn check_bindable(
+        &self,
+        pod: &Pod,
+        args: &ExtenderBindingArgs,
+        namespace: &str,
+    ) -> Result<(), BindError> {
         let name = format!("{namespace}/{}", args.pod_name);
         let uid = pod.metadata.uid.as_deref().unwrap_or("");
         if uid != args.pod_uid {
-            return Err(format!(
+            return Err(BindError::NotBindable(format!(
                 "pod {name} has UID {uid}, not {} (recreated?)",
                 args.pod_uid
-            ));
+            )));
         }
         if pod.metadata.deletion_timestamp.is_some() {
-            return Err(format!("pod {name} is being deleted"));
+            return Err(BindError::NotBindable(format!("pod {name} is being deleted")));
         }
         let spec = pod.spec.as_ref();
         if let Some(bound) = spec
             .and_then(|s| s.node_name.as_deref())
             .filter(|n| !n.is_empty())
         {
-            return Err(format!("pod {name} is already bound to {bound}"));
+            return Err(BindError::NotBindable(format!(
+                "pod {name} is already bound to {bound}"
+            )));
         }
         // The API server defaults an empty schedulerName to default-scheduler.
         let scheduler = spec
@@ -131,27 +199,24 @@ impl Scorer {
             .filter(|n| !n.is_empty())
             .unwrap_or("default-scheduler");
         if !self.config.scheduler_names.iter().any(|s| s == scheduler) {
-            return Err(format!(
+            return Err(BindError::NotBindable(format!(
                 "pod {name} belongs to scheduler {scheduler:?}, not one of {:?} (schedulerNames)",
                 self.config.scheduler_names
-            ));
+            )));
         }
         Ok(())
     }
 
-    async fn bind_inner(&self, args: &ExtenderBindingArgs) -> Result<(), String> {
-        let client = self
-            .client
-            .clone()
-            .ok_or("this scorer has no Kubernetes client")?;
-        let namespace = check_binding_args(args)?;
+    async fn bind_inner(&self, args: &ExtenderBindingArgs) -> Result<(), BindError> {
+        let client = self.client.clone().ok_or(BindError::NoClient)?;
+        let namespace = check_binding_args(args).map_err(BindError::BadRequest)?;
         let pods: Api<Pod> = Api::namespaced(client, namespace);
-        let pod = pods
-            .get(&args.pod_name)
-            .await
-            .map_err(|e| format!("reading pod {namespace}/{}: {e}", args.pod_name))?;
+        let pod = pods.get(&args.pod_name).await.map_err(BindError::api(format!(
+            "reading pod {namespace}/{}",
+            args.pod_name
+        )))?;
         self.check_bindable(&pod, args, namespace)?;
-        let demand = state::pod_demand(&pod, &self.rules)?;
+        let demand = state::pod_demand(&pod, &self.rules).map_err(BindError::BadPod)?;
         let mut reserved: Option<Reservation> = None;
         if let Some(d) = &demand {
             let mut node = self.node_state(&args.node).await?;
@@ -161,7 +226,8 @@ impl Scorer {
             let (config, cache) = (&self.config, &self.policy_cache);
             let mix = self.workload.current();
             let r = self.ledger.reserve(&mut node, |n| {
-                decide::check(n, d).map_err(|r| format!("node {}: {}", n.name, r.reason))?;
+                decide::check(n, d)
+                    .map_err(|r| BindError::DoesNotFit(format!("node {}: {}", n.name, r.reason)))?;
                 // The view prioritize used: the GPU(s) its score was for.
                 let scored = decide::prioritize(&[Arc::new(n.clone())], d, config, cache, &mix);
                 let gpus = scored
@@ -171,7 +237,7 @@ impl Scorer {
                     .map(|s| s.gpus)
                     .unwrap_or_default();
                 if gpus.is_empty() {
-                    return Err(format!("node {}: no GPU chosen", n.name));
+                    return Err(BindError::DoesNotFit(format!("node {}: no GPU chosen", n.name)));
                 }
                 Ok(Reservation {
                     pod: d.key.clone(),
@@ -197,7 +263,7 @@ impl Scorer {
                 }}});
                 pods.patch(&args.pod_name, &PatchParams::default(), &Patch::Merge(&patch))
                     .await
-                    .map_err(|e| format!("recording the GPU choice on the pod: {e}"))?;
+                    .map_err(BindError::api("recording the GPU choice on the pod"))?;
             }
             let binding = Binding {
                 metadata: ObjectMeta {
@@ -220,8 +286,8 @@ impl Scorer {
                 &binding,
             )
             .await
-            .map_err(|e| format!("creating the binding: {e}"))?;
-            Ok::<(), String>(())
+            .map_err(BindError::api("creating the binding"))?;
+            Ok::<(), BindError>(())
         }
         .await;
         if outcome.is_err()

@@ -12,6 +12,7 @@ impl Scorer {
     /// `filter`.
     pub fn filter(&self, mut args: ExtenderArgs) -> Result<ExtenderFilterResult, BadRequest> {
         let start = Instant::now();
+        let _span = self.span("filter", args.pod.as_ref()).entered();
         let demand = self.demand(args.pod.as_ref())?;
         let states = self.candidates(&args)?;
         let mut result = ExtenderFilterResult::default();
@@ -122,6 +123,7 @@ impl Scorer {
     /// `prioritize`: every candidate node gets a score; nodes that cannot host the pod get 0.
     pub fn prioritize(&self, mut args: ExtenderArgs) -> Result<HostPriorities, BadRequest> {
         let start = Instant::now();
+        let _span = self.span("prioritize", args.pod.as_ref()).entered();
         let demand = self.demand(args.pod.as_ref())?;
         let states = match self.kept_by_filter(&args) {
             Some(states) => states,

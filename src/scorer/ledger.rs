@@ -69,11 +69,11 @@ impl Ledger {
 
     /// Atomically: applies reservations to `node`, asks `choose` for GPUs on what is left, and records
     /// the choice. `choose` returns the reservation or why nothing fits.
-    pub fn reserve(
+    pub fn reserve<E>(
         &self,
         node: &mut NodeSnapshot,
-        choose: impl FnOnce(&NodeSnapshot) -> Result<Reservation, String>,
-    ) -> Result<Reservation, String> {
+        choose: impl FnOnce(&NodeSnapshot) -> Result<Reservation, E>,
+    ) -> Result<Reservation, E> {
         let mut nodes = self.lock();
         apply_locked(&mut nodes, self.ttl, node);
         let r = choose(node)?;

@@ -8,6 +8,7 @@
 //! - `gpumem_cluster_gpu_memory_allocated_ratio`: allocated GPU memory over total, healthy GPUs;
 //!
 //! and, beyond what the dashboards use, `gpumem_scorer_errors_total{verb}`,
+//! `gpumem_scorer_bind_failures_total{kind}` (see [`super::bind::BindError::kind`]),
 //! `gpumem_scorer_ledger_reservations`, and `gpumem_scorer_mix_pods_seen` /
 //! `gpumem_scorer_mix_generation` (the pods the typical mix was learned from, and how often it moved:
 //! generation 0 is the configured `typicalMix`). The three cluster gauges are computed when scraped (see
@@ -37,6 +38,11 @@ pub struct ReasonLabel {
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct KindLabel {
+    pub kind: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct NodeLabel {
     pub node: String,
 }
@@ -54,6 +60,7 @@ pub struct Metrics {
     pub latency: Family<VerbLabel, Histogram, fn() -> Histogram>,
     pub rejections: Family<ReasonLabel, Counter>,
     pub errors: Family<VerbLabel, Counter>,
+    pub bind_failures: Family<KindLabel, Counter>,
     pub ledger: Gauge,
     pub cluster_fragmentation: Ratio,
     pub node_fragmentation: Family<NodeLabel, Ratio>,
@@ -75,6 +82,7 @@ impl Metrics {
             Family::<VerbLabel, Histogram, fn() -> Histogram>::new_with_constructor(latency_histogram);
         let rejections = Family::<ReasonLabel, Counter>::default();
         let errors = Family::<VerbLabel, Counter>::default();
+        let bind_failures = Family::<KindLabel, Counter>::default();
         let ledger = Gauge::default();
         let cluster_fragmentation = Ratio::default();
         let node_fragmentation = Family::<NodeLabel, Ratio>::default();
@@ -108,6 +116,11 @@ impl Metrics {
             errors.clone(),
         );
         registry.register(
+            "gpumem_scorer_bind_failures",
+            "Binds refused, by kind (bad_request, not_bindable, does_not_fit, forbidden, not_found, conflict, ...)",
+            bind_failures.clone(),
+        );
+        registry.register(
             "gpumem_scorer_ledger_reservations",
             "Binds made whose GPUs the node annotations do not show yet",
             ledger.clone(),
@@ -132,6 +145,7 @@ impl Metrics {
             latency,
             rejections,
             errors,
+            bind_failures,
             ledger,
             cluster_fragmentation,
             node_fragmentation,

@@ -7,7 +7,7 @@
 //! - [`extender`]: the protocol's wire types;
 //! - [`state`]: node GPU state from the agent's annotations, and pod requests;
 //! - [`decide`]: filter and ranking, pure, through the shared placement policy ([`crate::alloc`]);
-//! - `filter`, `bind`, `preempt`: the verbs;
+//! - `filter`, [`bind`], `preempt`: the verbs (each in a tracing span naming the pod);
 //! - [`ledger`]: binds in flight, so that concurrent decisions never double-book a GPU;
 //! - [`victims`]: GPU-aware victim selection, pure;
 //! - [`workload`]: the typical mix learned from the pods the scorer ranks;
@@ -15,7 +15,7 @@
 //! - [`server`]: HTTP (hyper + tower), `/healthz`, `/metrics`;
 //! - [`metrics`]: Prometheus metrics.
 
-mod bind;
+pub mod bind;
 pub mod cache;
 pub mod cli;
 pub mod config;
@@ -240,6 +240,18 @@ impl Scorer {
         };
         self.ledger.apply_arcs(&mut states);
         Ok(states)
+    }
+
+    /// A span for one extender call: the verb and the pod it is about.
+    fn span(&self, verb: &'static str, pod: Option<&Pod>) -> tracing::Span {
+        let key = pod.map_or_else(String::new, |p| {
+            format!(
+                "{}/{}",
+                p.metadata.namespace.as_deref().unwrap_or(""),
+                p.metadata.name.as_deref().unwrap_or("")
+            )
+        });
+        tracing::debug_span!("extender", verb, pod = %key)
     }
 
     fn demand(&self, pod: Option<&Pod>) -> Result<Result<Option<PodDemand>, String>, BadRequest> {

@@ -12,6 +12,7 @@ use kube::api::ListParams;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Instant;
+use tracing::Instrument as _;
 
 /// One node's victims: the pod objects where known, their UIDs, kube-scheduler's PDB violation count.
 type ProposedVictims = (Vec<Option<Arc<Pod>>>, Vec<String>, i64);
@@ -23,6 +24,14 @@ impl Scorer {
     /// done from preemptible pods are dropped). The node states and PodDisruptionBudgets are read here;
     /// the victims are chosen on tokio's blocking pool, off the async workers.
     pub async fn preempt(
+        self: &Arc<Self>,
+        args: ExtenderPreemptionArgs,
+    ) -> Result<ExtenderPreemptionResult, BadRequest> {
+        let span = self.span("preempt", args.pod.as_ref());
+        self.preempt_in_span(args).instrument(span).await
+    }
+
+    async fn preempt_in_span(
         self: &Arc<Self>,
         args: ExtenderPreemptionArgs,
     ) -> Result<ExtenderPreemptionResult, BadRequest> {
