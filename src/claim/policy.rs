@@ -324,21 +324,12 @@ pub fn decide(claim: &GpuClaim, plan: &Result<Plan, String>, pods: &[PodView], n
 
     match current {
         None => {
-            status.phase = Some(Phase::Pending);
-            status.pod = Some(current_name.clone());
-            status.node = None;
-            status.gpus = None;
             if pods.iter().any(|p| p.terminating && p.name == current_name) {
                 // Its name is still taken: look again shortly.
+                awaiting(&mut status, &current_name);
                 decision.requeue = Some(Duration::from_secs(2));
             } else {
-                decision.notes.push(Note {
-                    warning: false,
-                    reason: "CreatedPod",
-                    message: format!("pod {current_name} asks for {request} MiB of GPU memory"),
-                    pod: Some(current_name.clone()),
-                });
-                decision.create = Some(current_name);
+                create(&mut status, &mut decision, current_name, request);
             }
             set_condition(
                 &mut status,
@@ -430,19 +421,8 @@ pub fn decide(claim: &GpuClaim, plan: &Result<Plan, String>, pods: &[PodView], n
                     });
                     decision.delete.push(pod.clone());
                     request = to;
-                    let next = pod_name(name, request);
                     status.request_mib = Some(request);
-                    status.phase = Some(Phase::Pending);
-                    status.pod = Some(next.clone());
-                    status.node = None;
-                    status.gpus = None;
-                    decision.notes.push(Note {
-                        warning: false,
-                        reason: "CreatedPod",
-                        message: format!("pod {next} asks for {request} MiB of GPU memory"),
-                        pod: Some(next.clone()),
-                    });
-                    decision.create = Some(next);
+                    create(&mut status, &mut decision, pod_name(name, request), request);
                     set_condition(
                         &mut status,
                         SCHEDULED,
@@ -466,6 +446,26 @@ pub fn decide(claim: &GpuClaim, plan: &Result<Plan, String>, pods: &[PodView], n
     }
     decision.status = status;
     decision
+}
+
+/// The status of a claim whose pod `name` is yet to be scheduled.
+fn awaiting(status: &mut GpuClaimStatus, name: &str) {
+    status.phase = Some(Phase::Pending);
+    status.pod = Some(name.to_string());
+    status.node = None;
+    status.gpus = None;
+}
+
+/// Creates the claim's pod `name` at `request_mib`.
+fn create(status: &mut GpuClaimStatus, decision: &mut Decision, name: String, request_mib: u64) {
+    awaiting(status, &name);
+    decision.notes.push(Note {
+        warning: false,
+        reason: "CreatedPod",
+        message: format!("pod {name} asks for {request_mib} MiB of GPU memory"),
+        pod: Some(name.clone()),
+    });
+    decision.create = Some(name);
 }
 
 fn has_condition(status: &GpuClaimStatus, type_: &str, value: &str, message: &str) -> bool {
