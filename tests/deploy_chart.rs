@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 
 use clap::{Args as _, FromArgMatches as _};
 use gpumem::agent::config::{DeviceListStrategy, MemoryLimits};
-use gpumem::agent::{AgentArgs, Config};
+use gpumem::agent::{AgentArgs, AgentConfig};
 use gpumem::claim::ControllerArgs;
 use k8s_openapi::api::apps::v1::{DaemonSet, Deployment};
 use k8s_openapi::api::core::v1::{ConfigMap, Container, PodSpec};
@@ -272,7 +272,7 @@ fn non_default_values_render_typed_objects_that_follow_them() {
 }
 
 /// The agent's config file as rendered, loaded by the agent's own loader.
-fn agent_config(docs: &[(String, Json)], dir: &Path) -> (Config, PathBuf) {
+fn agent_config(docs: &[(String, Json)], dir: &Path) -> (AgentConfig, PathBuf) {
     let cm: ConfigMap = get(docs, "ConfigMap", "gpumem-agent");
     let path = dir.join("agent.yaml");
     std::fs::write(&path, &cm.data.unwrap()["agent.yaml"]).unwrap();
@@ -281,7 +281,7 @@ fn agent_config(docs: &[(String, Json)], dir: &Path) -> (Config, PathBuf) {
         ..Default::default()
     };
     let config =
-        Config::load(&args).unwrap_or_else(|e| panic!("the agent refuses the chart's config: {e:#}"));
+        AgentConfig::load(&args).unwrap_or_else(|e| panic!("the agent refuses the chart's config: {e:#}"));
     (config, path)
 }
 
@@ -289,7 +289,7 @@ fn agent_config(docs: &[(String, Json)], dir: &Path) -> (Config, PathBuf) {
 fn the_agent_accepts_the_rendered_config_file() {
     let dir = tempfile::tempdir().unwrap();
     let (config, _) = agent_config(&objects(&json!({})), dir.path());
-    let default = Config::default();
+    let default = AgentConfig::default();
     assert_eq!(config.mem_unit_mib, 1);
     assert_eq!(
         (config.gpu_resource.as_str(), config.mem_resource.as_str()),
@@ -664,7 +664,7 @@ fn the_scorer_serves_the_verbs_over_tls_from_secrets_that_gpumem_certs_makes() {
     // The rendered configuration is one the scorer accepts, its files in the scorer's Secret.
     let cm: ConfigMap = get(&docs, "ConfigMap", "gpumem-scorer");
     let text = &cm.data.unwrap()["scorer.yaml"];
-    let config: gpumem::scorer::config::Config = serde_norway::from_str(text).unwrap();
+    let config: gpumem::scorer::config::ScorerConfig = serde_norway::from_str(text).unwrap();
     config.validate().unwrap();
     let tls = config.tls.expect("tls on by default");
     let scorer: Deployment = get(&docs, "Deployment", "gpumem-scorer");
@@ -723,7 +723,7 @@ fn the_scorer_serves_the_verbs_over_tls_from_secrets_that_gpumem_certs_makes() {
     // Off: plain HTTP everywhere, no Secret needed, a configuration the scorer accepts.
     let plain = objects(&json!({"scorer": {"tls": {"enabled": false}}}));
     let cm: ConfigMap = get(&plain, "ConfigMap", "gpumem-scorer");
-    let config: gpumem::scorer::config::Config =
+    let config: gpumem::scorer::config::ScorerConfig =
         serde_norway::from_str(&cm.data.unwrap()["scorer.yaml"]).unwrap();
     assert_eq!(config.tls, None);
     let scorer: Deployment = get(&plain, "Deployment", "gpumem-scorer");

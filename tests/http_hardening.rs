@@ -16,7 +16,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use gpumem::http::Limits;
-use gpumem::scorer::config::Config;
+use gpumem::scorer::config::ScorerConfig;
 use gpumem::scorer::{Scorer, server};
 use scorer_support::{Conn, args_nodes, closed_within, g, node_json, pod_json};
 use serde_json::json;
@@ -28,7 +28,7 @@ use tokio::net::{TcpListener, TcpStream};
 async fn scorer(limits: Limits) -> SocketAddr {
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind loopback");
     let addr = listener.local_addr().expect("bound address");
-    let scorer = Arc::new(Scorer::new(Config::default(), None, None, None));
+    let scorer = Arc::new(Scorer::new(ScorerConfig::default(), None, None, None));
     tokio::spawn(server::serve(
         listener,
         scorer,

@@ -19,7 +19,7 @@ use std::time::Instant;
 
 use gpumem::scorer::Scorer;
 use gpumem::scorer::cache::NodeCache;
-use gpumem::scorer::config::Config;
+use gpumem::scorer::config::ScorerConfig;
 use k8s_openapi::api::core::v1::Node;
 use kube::runtime::watcher;
 use serde_json::{Value, json};
@@ -94,9 +94,9 @@ async fn bench_filter_prioritize() {
             .iter()
             .map(|v| serde_json::from_value(v.clone()).expect("node"))
             .collect();
-        let cfg = Config {
+        let cfg = ScorerConfig {
             max_body_bytes: 1 << 30,
-            ..Config::default()
+            ..ScorerConfig::default()
         };
         let cache = NodeCache::from_nodes(objs);
         let (addr, _) = start(Scorer::new(cfg, None, Some(cache.clone()), None)).await;

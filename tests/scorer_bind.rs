@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use gpumem::scorer::Scorer;
 use gpumem::scorer::cache::{NodeCache, PodCache};
-use gpumem::scorer::config::Config;
+use gpumem::scorer::config::ScorerConfig;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use serde_json::{Value, json};
 
@@ -20,7 +20,7 @@ async fn setup(nodes: &[Value], pods: &[Value]) -> (std::net::SocketAddr, Arc<Sc
     nodes.iter().for_each(|n| api.add_node(n));
     pods.iter().for_each(|p| api.add_pod(p));
     let client = fake_api(api.clone()).await;
-    let (addr, scorer) = start(Scorer::new(Config::default(), Some(client), None, None)).await;
+    let (addr, scorer) = start(Scorer::new(ScorerConfig::default(), Some(client), None, None)).await;
     (addr, scorer, api)
 }
 
@@ -251,7 +251,7 @@ async fn preempt_meta_victims_resolve_through_the_caches() {
         .map(|p| serde_json::from_value(p.clone()).expect("pod"))
         .collect();
     let scorer = Scorer::new(
-        Config::default(),
+        ScorerConfig::default(),
         Some(client),
         Some(NodeCache::from_nodes(node_objs)),
         Some(PodCache::from_pods(pod_objs)),
@@ -305,7 +305,13 @@ async fn binds_of_other_replicas_count_until_the_annotation_shows_them() {
         api.add_pod(&pod_json("p1", 5000, 0, json!({}), json!({})));
         let client = fake_api(api.clone()).await;
         let pods = PodCache::from_pods([bound_by_another_replica(age)]);
-        let (addr, _) = start(Scorer::new(Config::default(), Some(client), None, Some(pods))).await;
+        let (addr, _) = start(Scorer::new(
+            ScorerConfig::default(),
+            Some(client),
+            None,
+            Some(pods),
+        ))
+        .await;
         let (_, r) = post_json(addr, "/bind", &bind_args("p1", "n")).await;
         let error = r["Error"].as_str().expect("Error");
         if expect_refused {
@@ -381,7 +387,12 @@ async fn the_scorers_role_grants_exactly_what_it_uses() {
     // Added after the list, and the watch stays quiet: a cache miss.
     api.add_node(&node_json("late", &[g(16384, 0)]));
     api.add_pod(&pod_json("new", 5000, 0, json!({}), json!({})));
-    let scorer = Scorer::new(Config::default(), Some(client), Some(node_cache), Some(pod_cache));
+    let scorer = Scorer::new(
+        ScorerConfig::default(),
+        Some(client),
+        Some(node_cache),
+        Some(pod_cache),
+    );
     let (addr, _) = start(scorer).await;
     let (_, r) = post_json(addr, "/bind", &bind_args("new", "late")).await;
     assert_eq!(r["Error"], "", "{r}");

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use gpumem::scorer::Scorer;
 use gpumem::scorer::cache::NodeCache;
-use gpumem::scorer::config::Config;
+use gpumem::scorer::config::ScorerConfig;
 use gpumem::scorer::extender::{MAX_NODE_NAME_BYTES, MAX_NODES, MAX_VICTIM_PODS};
 use k8s_openapi::api::core::v1::Node;
 use serde_json::{Value, json};
@@ -31,7 +31,7 @@ fn names_args(pod: &Value, names: &[String]) -> String {
 #[tokio::test]
 async fn requests_past_the_node_limit_get_400_and_the_scorer_still_answers() {
     let cache = cache_of(vec![node_json("a", &[g(16384, 0)])]);
-    let (addr, _) = start(Scorer::new(Config::default(), None, Some(cache), None)).await;
+    let (addr, _) = start(Scorer::new(ScorerConfig::default(), None, Some(cache), None)).await;
     let pod = pod_json("p", 5000, 0, json!({}), json!({}));
 
     // The largest request accepted: MAX_NODES names, of the longest length a node name has.
@@ -102,7 +102,13 @@ fn sample(text: &str, series: &str) -> Option<f64> {
 }
 
 async fn cluster_gauges(nodes: Vec<Value>) -> (Vec<Option<f64>>, String) {
-    let (addr, _) = start(Scorer::new(Config::default(), None, Some(cache_of(nodes)), None)).await;
+    let (addr, _) = start(Scorer::new(
+        ScorerConfig::default(),
+        None,
+        Some(cache_of(nodes)),
+        None,
+    ))
+    .await;
     let (status, text) = Conn::open(addr).await.request("GET", "/metrics", b"").await;
     assert_eq!(status, 200, "{text}");
     let gauges = [
@@ -123,7 +129,7 @@ async fn hostile_annotations_are_refused_with_their_reason_and_leave_the_gauges_
     let greedy = node_json("greedy", &vec![g(16384, 0); 65]);
     let vast = node_json("vast", &[g(u64::MAX, 0), g(16384, 0)]);
     let cache = cache_of(vec![good.clone(), greedy.clone(), vast.clone()]);
-    let (addr, _) = start(Scorer::new(Config::default(), None, Some(cache), None)).await;
+    let (addr, _) = start(Scorer::new(ScorerConfig::default(), None, Some(cache), None)).await;
     let pod = pod_json("p", 5000, 0, json!({}), json!({}));
     let names = ["greedy", "good", "vast"];
 
@@ -197,7 +203,12 @@ fn heavy_decisions_leave_health_answering() {
             })
             .collect(),
     );
-    let (addr, _) = runtime.block_on(start(Scorer::new(Config::default(), None, Some(cache), None)));
+    let (addr, _) = runtime.block_on(start(Scorer::new(
+        ScorerConfig::default(),
+        None,
+        Some(cache),
+        None,
+    )));
     let pod = pod_json(
         "train",
         0,
@@ -275,7 +286,13 @@ async fn peak_memory_of_the_largest_accepted_requests() {
     let known: Vec<Value> = (0..5000)
         .map(|k| node_json(&format!("node-{k:04}"), &eight(k)))
         .collect();
-    let (addr, _) = start(Scorer::new(Config::default(), None, Some(cache_of(known)), None)).await;
+    let (addr, _) = start(Scorer::new(
+        ScorerConfig::default(),
+        None,
+        Some(cache_of(known)),
+        None,
+    ))
+    .await;
     let pod = pod_json("p", 5000, 0, json!({}), json!({}));
     println!(
         "node cache of 5,000 nodes of 8 GPUs: peak {:.0} MB",
@@ -297,7 +314,7 @@ async fn peak_memory_of_the_largest_accepted_requests() {
     );
 
     // `Nodes`-form requests just under the limit, each of nodes never seen before.
-    let limit = Config::default().max_body_bytes;
+    let limit = ScorerConfig::default().max_body_bytes;
     // Measured on a sample of the request as sent (the pod and the list around the nodes included).
     let sample: Vec<Value> = (0..100)
         .map(|k| node_json(&format!("r10-n{k:05}"), &eight(k)))

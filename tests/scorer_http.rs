@@ -5,7 +5,7 @@ mod scorer_support;
 
 use gpumem::scorer::Scorer;
 use gpumem::scorer::cache::NodeCache;
-use gpumem::scorer::config::Config;
+use gpumem::scorer::config::ScorerConfig;
 use k8s_openapi::api::core::v1::Node;
 use serde_json::{Value, json};
 
@@ -61,7 +61,12 @@ async fn filter_nodes_form_keeps_the_node_where_one_gpu_fits() {
 async fn filter_node_names_form_reads_the_cache() {
     let list = fixture_json("nodes.json");
     let nodes: Vec<Node> = serde_json::from_value(list["items"].clone()).expect("nodes");
-    let scorer = Scorer::new(Config::default(), None, Some(NodeCache::from_nodes(nodes)), None);
+    let scorer = Scorer::new(
+        ScorerConfig::default(),
+        None,
+        Some(NodeCache::from_nodes(nodes)),
+        None,
+    );
     let (addr, _) = start(scorer).await;
     let (status, r) = post_json(addr, "/filter", &fixture_json("filter_nodenames.json")).await;
     assert_eq!(status, 200, "{r}");
@@ -147,10 +152,10 @@ async fn prioritize_best_fit_and_workload_classes() {
 #[tokio::test]
 async fn class_weights_are_configurable() {
     // With the class weight at 0, online and offline rank the same (by the policy alone).
-    let cfg = Config {
+    let cfg = ScorerConfig {
         online_weight: 0.0,
         offline_weight: 0.0,
-        ..Config::default()
+        ..ScorerConfig::default()
     };
     let (addr, _) = start(Scorer::new(cfg, None, None, None)).await;
     let nodes = [
@@ -259,9 +264,9 @@ async fn malformed_bodies_get_400_and_the_server_lives_on() {
 
 #[tokio::test]
 async fn oversized_bodies_get_413() {
-    let cfg = Config {
+    let cfg = ScorerConfig {
         max_body_bytes: 64 * 1024,
-        ..Config::default()
+        ..ScorerConfig::default()
     };
     let (addr, _) = start(Scorer::new(cfg, None, None, None)).await;
     let big = format!("{{\"Pod\":{{}},\"NodeNames\":[\"{}\"]}}", "x".repeat(200 * 1024));
@@ -314,7 +319,13 @@ async fn prioritize_ranks_the_states_filter_checked() {
         serde_json::from_value(v).expect("node")
     };
     let cache = NodeCache::from_nodes([node("a", 0), node("b", 8192), node("c", 15000)]);
-    let (addr, _) = start(Scorer::new(Config::default(), None, Some(cache.clone()), None)).await;
+    let (addr, _) = start(Scorer::new(
+        ScorerConfig::default(),
+        None,
+        Some(cache.clone()),
+        None,
+    ))
+    .await;
     let args = |pod: &str, names: &[&str]| json!({"Pod": pod_json(pod, 4096, 0, json!({}), json!({})), "Nodes": null, "NodeNames": names});
     let ranked = |r: &Value| -> Vec<(String, i64)> {
         let list = r.as_array().expect("HostPriorityList");
@@ -359,7 +370,7 @@ async fn a_starting_scorer_waits_for_its_caches_instead_of_refusing_every_node()
     let nodes = NodeCache::start(client.clone());
     let pods = gpumem::scorer::cache::PodCache::start(client.clone());
     let (addr, _) = start(Scorer::new(
-        Config::default(),
+        ScorerConfig::default(),
         Some(client),
         Some(nodes),
         Some(pods),

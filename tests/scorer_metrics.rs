@@ -7,7 +7,7 @@ use std::collections::BTreeSet;
 
 use gpumem::scorer::Scorer;
 use gpumem::scorer::cache::NodeCache;
-use gpumem::scorer::config::Config;
+use gpumem::scorer::config::ScorerConfig;
 use k8s_openapi::api::core::v1::Node;
 use serde_json::{Value, json};
 
@@ -85,7 +85,12 @@ async fn cluster_gauges_from_the_node_cache() {
         .into_iter()
         .map(|v| serde_json::from_value(v).expect("node"))
         .collect();
-    let scorer = Scorer::new(Config::default(), None, Some(NodeCache::from_nodes(nodes)), None);
+    let scorer = Scorer::new(
+        ScorerConfig::default(),
+        None,
+        Some(NodeCache::from_nodes(nodes)),
+        None,
+    );
     let (addr, _) = start(scorer).await;
     check_gauges(&scrape(addr).await);
 }
@@ -132,7 +137,12 @@ async fn every_scorer_metric_the_deployment_queries_is_exported() {
         .into_iter()
         .map(|v| serde_json::from_value(v).expect("node"))
         .collect();
-    let scorer = Scorer::new(Config::default(), None, Some(NodeCache::from_nodes(nodes)), None);
+    let scorer = Scorer::new(
+        ScorerConfig::default(),
+        None,
+        Some(NodeCache::from_nodes(nodes)),
+        None,
+    );
     let (addr, _) = start(scorer).await;
     // One call with a rejection, so that the per-verb and per-reason series exist.
     let (status, r) = post_json(addr, "/filter", &fixture_json("filter_nodes.json")).await;

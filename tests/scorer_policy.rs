@@ -15,7 +15,7 @@ use std::sync::Arc;
 
 use gpumem::alloc::{self, Candidate, Cluster, Gpu, GpuDemand, ModelTable, OnlineMix, Request};
 use gpumem::scorer::Scorer;
-use gpumem::scorer::config::Config;
+use gpumem::scorer::config::ScorerConfig;
 use gpumem::scorer::extender::MAX_EXTENDER_PRIORITY;
 use gpumem::scorer::workload::mix_config;
 use rand::SeedableRng as _;
@@ -101,11 +101,11 @@ fn cluster() -> Cluster {
 #[tokio::test]
 async fn the_scorer_ranks_and_chooses_gpus_as_the_simulators_policy_does() {
     // The policy alone: no spread/pack blend on top of it.
-    let cfg = Config {
+    let cfg = ScorerConfig {
         online_weight: 0.0,
         offline_weight: 0.0,
         hot_online_weight: 0.0,
-        ..Config::default()
+        ..ScorerConfig::default()
     };
     let nodes = nodes_json();
     let min_pods = mix_config(&cfg).min_pods as usize;

@@ -11,7 +11,7 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use gpumem::scorer::config::Config;
+use gpumem::scorer::config::ScorerConfig;
 use gpumem::scorer::{Scorer, server};
 use http_body_util::combinators::BoxBody;
 use http_body_util::{BodyExt, Full, StreamBody};
@@ -43,7 +43,9 @@ pub async fn start(scorer: Scorer) -> (SocketAddr, Arc<Scorer>) {
 }
 
 pub async fn start_default() -> SocketAddr {
-    start(Scorer::new(Config::default(), None, None, None)).await.0
+    start(Scorer::new(ScorerConfig::default(), None, None, None))
+        .await
+        .0
 }
 
 /// One keep-alive HTTP/1.1 connection.

@@ -40,7 +40,7 @@ pub const DEFAULT_IGNORED_XIDS: &[u64] = &[13, 31, 43, 45, 68, 109];
 
 /// Everything the agent needs to know, after the file and the flags are merged.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Config {
+pub struct AgentConfig {
     pub mem_unit_mib: u64,
     pub gpu_resource: String,
     pub mem_resource: String,
@@ -66,7 +66,7 @@ pub struct Config {
     pub shim_path: PathBuf,
 }
 
-impl Default for Config {
+impl Default for AgentConfig {
     fn default() -> Self {
         Self {
             mem_unit_mib: 1,
@@ -173,7 +173,7 @@ pub struct AgentArgs {
     pub shim_path: Option<PathBuf>,
 }
 
-impl Config {
+impl AgentConfig {
     /// The file (if any), then the flags.
     pub fn load(args: &AgentArgs) -> anyhow::Result<Self> {
         let mut config = Self::default();
@@ -318,7 +318,7 @@ mod tests {
             mem_unit_mib: Some(8),
             ..Default::default()
         };
-        let config = Config::load(&args).unwrap();
+        let config = AgentConfig::load(&args).unwrap();
         assert_eq!(config.mem_unit_mib, 8, "the flag wins");
         assert_eq!(config.mem_resource, "example.com/vram");
         assert_eq!(config.gpu_resource, GPU_RESOURCE);
@@ -332,7 +332,7 @@ mod tests {
         let (_dir, path) = write("memUnitMib: 4\n");
         let err = format!(
             "{:#}",
-            Config::load(&AgentArgs {
+            AgentConfig::load(&AgentArgs {
                 config: Some(path),
                 ..Default::default()
             })
@@ -345,14 +345,14 @@ mod tests {
         let (_dir, path) = write("resourceNames: {gpu: gpu}\n");
         let err = format!(
             "{:#}",
-            Config::load(&AgentArgs {
+            AgentConfig::load(&AgentArgs {
                 config: Some(path),
                 ..Default::default()
             })
             .unwrap_err()
         );
         assert!(err.contains("extended"), "{err}");
-        let err = Config::load(&AgentArgs {
+        let err = AgentConfig::load(&AgentArgs {
             mem_unit_mib: Some(0),
             ..Default::default()
         })
@@ -363,7 +363,7 @@ mod tests {
     #[test]
     fn a_bad_resource_name_is_refused_at_load_naming_the_key() {
         let (_dir, path) = write("resourceNames:\n  mem: example.com/gpu mem\n");
-        let err = Config::load(&AgentArgs {
+        let err = AgentConfig::load(&AgentArgs {
             config: Some(path),
             ..Default::default()
         })

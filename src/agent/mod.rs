@@ -24,7 +24,7 @@ use crate::plugin::proto::KUBELET_MAX_RECV_BYTES;
 use crate::plugin::registration;
 use crate::plugin::server::Plugin;
 use apiserver::ApiServer;
-pub use config::{AgentArgs, Config, MemoryLimits};
+pub use config::{AgentArgs, AgentConfig, MemoryLimits};
 use enforcement::Enforcement;
 use resource::{NodeResource, ResourceKind};
 use state::{HealthPolicy, NodeState};
@@ -34,7 +34,7 @@ pub const GPU_SOCKET: &str = "gpumem-gpu.sock";
 pub const MEM_SOCKET: &str = "gpumem-gpu-mem.sock";
 
 pub fn run(args: &AgentArgs) -> anyhow::Result<()> {
-    let config = Config::load(args)?;
+    let config = AgentConfig::load(args)?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -42,7 +42,7 @@ pub fn run(args: &AgentArgs) -> anyhow::Result<()> {
     runtime.block_on(serve(config))
 }
 
-async fn serve(config: Config) -> anyhow::Result<()> {
+async fn serve(config: AgentConfig) -> anyhow::Result<()> {
     let (inventory, nvml) = match &config.profile {
         Some(name) => {
             let profile = gpumem_profile::Profile::load(name)?;

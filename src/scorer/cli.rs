@@ -1,7 +1,7 @@
 //! `gpumem scorer`: its command line and the server's run loop (caches, ports, signals).
 
 use super::cache::{NodeCache, PodCache};
-use super::config::Config;
+use super::config::ScorerConfig;
 use super::{Scorer, server};
 use anyhow::Context;
 use kube::Client;
@@ -21,7 +21,7 @@ pub struct ScorerArgs {
     /// Address to serve the extender's verbs on over TLS, when the configuration has `tls`.
     #[arg(long, default_value = "0.0.0.0:8443")]
     pub tls_listen: SocketAddr,
-    /// YAML configuration file (weights, policy, limits); see [`Config`].
+    /// YAML configuration file (weights, policy, limits); see [`ScorerConfig`].
     #[arg(long)]
     pub config: Option<PathBuf>,
     /// Run without a Kubernetes API (filter and prioritize in the `Nodes` form only; for demos).
@@ -32,8 +32,8 @@ pub struct ScorerArgs {
 /// `gpumem scorer`.
 pub fn run(args: &ScorerArgs) -> anyhow::Result<()> {
     let config = match &args.config {
-        Some(path) => Config::load(path)?,
-        None => Config::default(),
+        Some(path) => ScorerConfig::load(path)?,
+        None => ScorerConfig::default(),
     };
     // Before anything starts: a scorer that cannot authenticate its clients must not serve.
     let tls = match &config.tls {

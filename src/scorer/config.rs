@@ -33,7 +33,7 @@ pub const DEFAULT_MAX_BODY_BYTES: usize = 16 << 20;
 /// The scorer's configuration (`--config`, YAML, camelCase keys; every key optional).
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(default, rename_all = "camelCase", deny_unknown_fields)]
-pub struct Config {
+pub struct ScorerConfig {
     /// The placement policy ranking nodes (as `gpumem simulate --policy`).
     pub policy: String,
     /// Weight of "spread" (room left) against the policy's fragmentation ranking, for online pods.
@@ -65,8 +65,8 @@ pub struct Config {
     pub tls: Option<TlsFiles>,
 }
 
-impl Default for Config {
-    fn default() -> Config {
+impl Default for ScorerConfig {
+    fn default() -> ScorerConfig {
         let mem = |m, share| TypicalEntry {
             memory_mib: Some(m),
             whole_gpus: None,
@@ -77,7 +77,7 @@ impl Default for Config {
             whole_gpus: Some(c),
             share,
         };
-        Config {
+        ScorerConfig {
             policy: "gpumem".into(),
             online_weight: 0.7,
             offline_weight: 0.3,
@@ -104,7 +104,7 @@ impl Default for Config {
     }
 }
 
-impl Config {
+impl ScorerConfig {
     /// The configured typical request mix (`typicalMix`), in MiB: the prior of the learned one
     /// ([`super::workload`]).
     pub fn prior_mix(&self) -> crate::alloc::TypicalMix {
@@ -134,9 +134,9 @@ impl Config {
         }
     }
 
-    pub fn load(path: &std::path::Path) -> anyhow::Result<Config> {
+    pub fn load(path: &std::path::Path) -> anyhow::Result<ScorerConfig> {
         let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-        let cfg: Config =
+        let cfg: ScorerConfig =
             serde_norway::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
         cfg.validate()?;
         Ok(cfg)
@@ -192,9 +192,9 @@ mod tests {
 
     #[test]
     fn the_scorer_runs_named_policies_only() {
-        let with = |policy: &str| Config {
+        let with = |policy: &str| ScorerConfig {
             policy: policy.into(),
-            ..Config::default()
+            ..ScorerConfig::default()
         };
         assert!(with("gpumem").validate().is_ok());
         assert!(with("FGD").validate().is_ok());

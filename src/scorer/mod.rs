@@ -37,7 +37,7 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::Client;
 
 use self::cache::{NodeCache, PodCache, RawNodeCache};
-use self::config::Config;
+use self::config::ScorerConfig;
 use self::extender::{ExtenderArgs, NodeNames};
 use self::ledger::Ledger;
 use self::metrics::{Metrics, VerbLabel};
@@ -50,7 +50,7 @@ pub struct BadRequest(pub String);
 
 /// The extender: configuration, ledger, caches and (optionally) a Kubernetes client.
 pub struct Scorer {
-    pub config: Config,
+    pub config: ScorerConfig,
     pub ledger: Ledger,
     pub metrics: Metrics,
     nodes: Option<Arc<NodeCache>>,
@@ -88,7 +88,7 @@ const KEPT_FOR: Duration = Duration::from_secs(1);
 
 impl Scorer {
     pub fn new(
-        config: Config,
+        config: ScorerConfig,
         client: Option<Client>,
         nodes: Option<Arc<NodeCache>>,
         pods: Option<Arc<PodCache>>,

@@ -9,7 +9,7 @@
 use std::collections::{HashSet, VecDeque};
 use std::sync::{Arc, Mutex};
 
-use super::config::Config;
+use super::config::ScorerConfig;
 use super::decide;
 use super::state::PodDemand;
 use crate::alloc::{MixConfig, OnlineMix, TypicalMix};
@@ -47,7 +47,7 @@ struct Inner {
 }
 
 /// How the scorer learns: the simulator's defaults, with the configured window.
-pub fn mix_config(cfg: &Config) -> MixConfig {
+pub fn mix_config(cfg: &ScorerConfig) -> MixConfig {
     MixConfig {
         window: if cfg.mix_window_pods > 0.0 {
             cfg.mix_window_pods
@@ -59,7 +59,7 @@ pub fn mix_config(cfg: &Config) -> MixConfig {
 }
 
 impl Workload {
-    pub fn new(cfg: &Config) -> Workload {
+    pub fn new(cfg: &ScorerConfig) -> Workload {
         let online = OnlineMix::new(mix_config(cfg), cfg.prior_mix());
         let current = CurrentMix::fixed(online.mix().clone());
         Workload {
@@ -140,7 +140,7 @@ mod tests {
 
     #[test]
     fn the_configured_mix_holds_until_enough_pods_were_seen_then_the_learned_one() {
-        let cfg = Config::default();
+        let cfg = ScorerConfig::default();
         let workload = Workload::new(&cfg);
         let prior = workload.current();
         assert_eq!(*prior.mix, cfg.prior_mix());
@@ -177,7 +177,7 @@ mod tests {
 
     #[test]
     fn a_pod_without_uid_still_counts_and_old_uids_are_forgotten() {
-        let workload = Workload::new(&Config::default());
+        let workload = Workload::new(&ScorerConfig::default());
         workload.observe(&pod("", 1000), 1000);
         workload.observe(&pod("", 1000), 1000);
         assert_eq!(workload.seen(), 2);
@@ -191,7 +191,7 @@ mod tests {
 
     #[test]
     fn the_window_comes_from_the_configuration() {
-        let mut cfg = Config::default();
+        let mut cfg = ScorerConfig::default();
         assert_eq!(mix_config(&cfg).window, 5000.0);
         cfg.mix_window_pods = 0.0;
         assert!(mix_config(&cfg).window.is_infinite());

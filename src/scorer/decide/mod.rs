@@ -25,7 +25,7 @@ pub use view::PolicyCache;
 mod tests {
     use std::sync::Arc;
 
-    use super::super::config::Config;
+    use super::super::config::ScorerConfig;
     use super::super::state::{Demand, GpuSnapshot, NodeSnapshot, PodDemand, TopologyNeed, WorkloadClass};
     use super::super::workload::CurrentMix;
     use super::fit::*;
@@ -254,7 +254,7 @@ mod tests {
 
     #[test]
     fn the_kept_policy_view_answers_as_a_fresh_one() {
-        let cfg = Config::default();
+        let cfg = ScorerConfig::default();
         let kept = PolicyCache::default();
         // Shared states, changed as the node cache changes them: a new state for a new version.
         let mut nodes: Vec<Arc<NodeSnapshot>> = (0..7)
@@ -354,7 +354,7 @@ mod tests {
 
     #[test]
     fn offline_packs_and_online_spreads() {
-        let cfg = Config::default();
+        let cfg = ScorerConfig::default();
         let a = node("tight", vec![gpu(0, 16384, 6000)]);
         let b = node("roomy", vec![gpu(0, 16384, 16384)]);
         let nodes = [Arc::new(a), Arc::new(b)];

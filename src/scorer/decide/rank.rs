@@ -1,7 +1,7 @@
 //! The ranking: the shared policy's scores over the kept view, blended with the workload class
 //! (spread or pack) and, for multi-GPU pods, the topology of the chosen set.
 
-use super::super::config::Config;
+use super::super::config::ScorerConfig;
 use super::super::state::{Demand, NodeSnapshot, PodDemand, WorkloadClass};
 use super::super::workload::CurrentMix;
 use super::fit::*;
@@ -44,7 +44,7 @@ pub fn request_of(pod: &PodDemand, need_mib: u64) -> Request {
 pub fn prioritize(
     nodes: &[Arc<NodeSnapshot>],
     pod: &PodDemand,
-    cfg: &Config,
+    cfg: &ScorerConfig,
     cache: &PolicyCache,
     mix: &CurrentMix,
 ) -> Vec<Option<Scored>> {

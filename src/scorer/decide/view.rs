@@ -1,7 +1,7 @@
 //! The policy's view of the cluster, kept between calls (one position per node, updated in place),
 //! and the policies built for it.
 
-use super::super::config::Config;
+use super::super::config::ScorerConfig;
 use super::super::state::{NodeSnapshot, PodDemand};
 use super::super::workload::CurrentMix;
 use super::fit::*;
@@ -191,7 +191,7 @@ impl View {
     /// A policy's state does not depend on the amount (its caches are checked by node content, its memo
     /// by request): one per amount only keeps a memo per amount. So a new amount, with all places taken,
     /// takes over the least recently used policy if it was built for this shape, caches and all.
-    pub(super) fn policy(&mut self, need: u64, cfg: &Config, mix: &CurrentMix) -> Option<usize> {
+    pub(super) fn policy(&mut self, need: u64, cfg: &ScorerConfig, mix: &CurrentMix) -> Option<usize> {
         let (calls, shape) = (self.calls, (self.shape, mix.generation));
         let mix = mix.mix.as_ref();
         let lru = || (0..self.policies.len()).min_by_key(|&i| self.policies[i].last_used);
