@@ -104,3 +104,40 @@ fn the_cycle_finder_finds_cycles() {
     );
     assert_eq!(cycle_through(&graph, "d"), None);
 }
+
+/// One name per concept: no public type name is declared twice in `src/` (two `Config`s, two
+/// `NodeState`s make a reader ask which one is meant).
+#[test]
+fn no_public_type_name_is_declared_twice() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut seen: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    let mut stack = vec![src.clone()];
+    while let Some(dir) = stack.pop() {
+        for entry in std::fs::read_dir(&dir).expect("src is readable") {
+            let path = entry.expect("an entry").path();
+            if path.is_dir() {
+                stack.push(path);
+                continue;
+            }
+            if path.extension().is_none_or(|e| e != "rs") {
+                continue;
+            }
+            let text = std::fs::read_to_string(&path).expect("a source file");
+            for line in text.lines() {
+                for kind in ["pub struct ", "pub enum ", "pub trait ", "pub type "] {
+                    if let Some(rest) = line.strip_prefix(kind) {
+                        let name: String = rest
+                            .chars()
+                            .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                            .collect();
+                        let file = path.strip_prefix(&src).expect("under src").display().to_string();
+                        seen.entry(name).or_default().push(file);
+                    }
+                }
+            }
+        }
+    }
+    assert!(seen.len() > 50, "{} public types found", seen.len());
+    let twice: Vec<_> = seen.iter().filter(|(_, files)| files.len() > 1).collect();
+    assert!(twice.is_empty(), "declared more than once: {twice:?}");
+}
