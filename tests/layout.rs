@@ -6,42 +6,47 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 
-/// Top-level module → the top-level modules its files name (`crate::x`).
-fn imports() -> BTreeMap<String, BTreeSet<String>> {
+/// Every `.rs` file under `src/`: its path relative to `src/`, and its text.
+fn sources() -> Vec<(std::path::PathBuf, String)> {
     let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
-    let mut graph: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    let mut files = Vec::new();
     let mut stack = vec![src.clone()];
     while let Some(dir) = stack.pop() {
         for entry in std::fs::read_dir(&dir).expect("src is readable") {
             let path = entry.expect("an entry").path();
             if path.is_dir() {
                 stack.push(path);
-                continue;
+            } else if path.extension().is_some_and(|e| e == "rs") {
+                let text = std::fs::read_to_string(&path).expect("a source file");
+                files.push((path.strip_prefix(&src).expect("under src").to_path_buf(), text));
             }
-            if path.extension().is_none_or(|e| e != "rs") {
-                continue;
-            }
-            let relative = path.strip_prefix(&src).expect("under src");
-            let first = relative.components().next().expect("a component");
-            let module = first
-                .as_os_str()
-                .to_string_lossy()
-                .trim_end_matches(".rs")
-                .to_string();
-            if module == "main" || module == "lib" {
-                continue;
-            }
-            let text = std::fs::read_to_string(&path).expect("a source file");
-            let named = graph.entry(module.clone()).or_default();
-            for (at, _) in text.match_indices("crate::") {
-                let rest = &text[at + "crate::".len()..];
-                let name: String = rest
-                    .chars()
-                    .take_while(|c| c.is_ascii_lowercase() || *c == '_')
-                    .collect();
-                if !name.is_empty() && name != module {
-                    named.insert(name);
-                }
+        }
+    }
+    files
+}
+
+/// Top-level module → the top-level modules its files name (`crate::x`).
+fn imports() -> BTreeMap<String, BTreeSet<String>> {
+    let mut graph: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    for (relative, text) in sources() {
+        let first = relative.components().next().expect("a component");
+        let module = first
+            .as_os_str()
+            .to_string_lossy()
+            .trim_end_matches(".rs")
+            .to_string();
+        if module == "main" || module == "lib" {
+            continue;
+        }
+        let named = graph.entry(module.clone()).or_default();
+        for (at, _) in text.match_indices("crate::") {
+            let rest = &text[at + "crate::".len()..];
+            let name: String = rest
+                .chars()
+                .take_while(|c| c.is_ascii_lowercase() || *c == '_')
+                .collect();
+            if !name.is_empty() && name != module {
+                named.insert(name);
             }
         }
     }
@@ -109,30 +114,16 @@ fn the_cycle_finder_finds_cycles() {
 /// `NodeState`s make a reader ask which one is meant).
 #[test]
 fn no_public_type_name_is_declared_twice() {
-    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
     let mut seen: BTreeMap<String, Vec<String>> = BTreeMap::new();
-    let mut stack = vec![src.clone()];
-    while let Some(dir) = stack.pop() {
-        for entry in std::fs::read_dir(&dir).expect("src is readable") {
-            let path = entry.expect("an entry").path();
-            if path.is_dir() {
-                stack.push(path);
-                continue;
-            }
-            if path.extension().is_none_or(|e| e != "rs") {
-                continue;
-            }
-            let text = std::fs::read_to_string(&path).expect("a source file");
-            for line in text.lines() {
-                for kind in ["pub struct ", "pub enum ", "pub trait ", "pub type "] {
-                    if let Some(rest) = line.strip_prefix(kind) {
-                        let name: String = rest
-                            .chars()
-                            .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
-                            .collect();
-                        let file = path.strip_prefix(&src).expect("under src").display().to_string();
-                        seen.entry(name).or_default().push(file);
-                    }
+    for (relative, text) in sources() {
+        for line in text.lines() {
+            for kind in ["pub struct ", "pub enum ", "pub trait ", "pub type "] {
+                if let Some(rest) = line.strip_prefix(kind) {
+                    let name: String = rest
+                        .chars()
+                        .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                        .collect();
+                    seen.entry(name).or_default().push(relative.display().to_string());
                 }
             }
         }

@@ -92,7 +92,8 @@ impl Scorer {
         let start = Instant::now();
         let span = tracing::info_span!(
             "bind",
-            pod = %format!("{}/{}", args.pod_namespace, args.pod_name),
+            namespace = %args.pod_namespace,
+            pod = %args.pod_name,
             node = %args.node
         );
         let result = self.bind_inner(&args).instrument(span.clone()).await;

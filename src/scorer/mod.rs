@@ -243,15 +243,12 @@ impl Scorer {
     }
 
     /// A span for one extender call: the verb and the pod it is about.
+    /// Its fields are borrowed: a call costs no allocation when the span is not recorded.
     fn span(&self, verb: &'static str, pod: Option<&Pod>) -> tracing::Span {
-        let key = pod.map_or_else(String::new, |p| {
-            format!(
-                "{}/{}",
-                p.metadata.namespace.as_deref().unwrap_or(""),
-                p.metadata.name.as_deref().unwrap_or("")
-            )
-        });
-        tracing::debug_span!("extender", verb, pod = %key)
+        let meta = pod.map(|p| &p.metadata);
+        let namespace = meta.and_then(|m| m.namespace.as_deref()).unwrap_or("");
+        let name = meta.and_then(|m| m.name.as_deref()).unwrap_or("");
+        tracing::debug_span!("extender", verb, namespace, pod = name)
     }
 
     fn demand(&self, pod: Option<&Pod>) -> Result<Result<Option<PodDemand>, String>, BadRequest> {
