@@ -8,8 +8,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use gpumem::scorer::Scorer;
-use gpumem::scorer::cache::{NodeCache, PodCache};
+use gpumem::scorer::cache::NodeCache;
 use gpumem::scorer::config::ScorerConfig;
+use gpumem::scorer::pods::PodCache;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use serde_json::{Value, json};
 

@@ -368,7 +368,7 @@ async fn a_starting_scorer_waits_for_its_caches_instead_of_refusing_every_node()
     api.hold_lists.send_replace(true);
     let client = fake_api(api.clone()).await;
     let nodes = NodeCache::start(client.clone());
-    let pods = gpumem::scorer::cache::PodCache::start(client.clone());
+    let pods = gpumem::scorer::pods::PodCache::start(client.clone());
     let (addr, _) = start(Scorer::new(
         ScorerConfig::default(),
         Some(client),

@@ -124,42 +124,31 @@ impl Scorer {
         pods.on_node(&node.name)
             .iter()
             .filter_map(|pod| {
-                let uuids = state::assigned_gpus(pod);
-                let at: k8s_openapi::jiff::Timestamp = pod
-                    .metadata
-                    .annotations
-                    .as_ref()?
-                    .get(ASSIGNED_AT_ANNOTATION)?
-                    .parse()
-                    .ok()?;
-                let age = now.duration_since(at).as_secs();
-                let d = state::pod_demand(pod, &self.rules).ok()??;
-                let visible = node.gpus().iter().any(|g| g.pods.contains(&d.key));
-                if uuids.is_empty()
+                let age = now.duration_since(pod.assigned_at?).as_secs();
+                pod.demand?;
+                let visible = node.gpus().iter().any(|g| g.pods.iter().any(|p| **p == *pod.key));
+                if pod.assigned_gpus.is_empty()
                     || age < 0
                     || age as u64 >= ttl
                     || visible
-                    || self.ledger.holds(&node.name, &d.key)
+                    || self.ledger.holds(&node.name, &pod.key)
                 {
                     return None;
                 }
-                let gpus: Vec<(usize, String)> = uuids
+                let gpus: Vec<(usize, String)> = pod
+                    .assigned_gpus
                     .iter()
                     .filter_map(|u| {
                         node.gpus()
                             .iter()
-                            .position(|g| g.uuid == *u)
-                            .map(|p| (p, u.clone()))
+                            .position(|g| *g.uuid == **u)
+                            .map(|p| (p, u.to_string()))
                     })
                     .collect();
-                let mib = match d.demand {
-                    state::Demand::Memory { .. } => Some(d.memory_mib(node.unit_mib)),
-                    state::Demand::Whole { .. } => None,
-                };
                 Some(Reservation {
-                    pod: d.key,
+                    pod: pod.key.to_string(),
                     gpus,
-                    mib,
+                    mib: pod.memory_mib(node.unit_mib),
                     at: std::time::Instant::now(),
                 })
             })

@@ -1,12 +1,12 @@
-//! The node (and pod) cache for `nodeCacheCapable: true`, fed by kube-rs reflectors. The node cache keeps
-//! every node's parsed GPU state ready: it is updated as the watch events arrive (a node is parsed again
-//! only when its resourceVersion changes), so a decision only looks nodes up by name, under one lock.
+//! The node caches. For `nodeCacheCapable: true`, a watch keeps every node's parsed GPU state ready
+//! (a node is parsed again only when its resourceVersion changes; the Node objects themselves are not
+//! kept), so a decision only looks nodes up by name, under one lock. For the `Nodes` form, parsed states
+//! by the node's text.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, OnceLock, RwLock};
 
-use k8s_openapi::api::core::v1::{Node, Pod};
-use kube::runtime::reflector::{self, Store};
+use k8s_openapi::api::core::v1::Node;
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client};
 use tokio_stream::StreamExt;
@@ -18,11 +18,11 @@ use super::state::NodeSnapshot;
 pub struct Synced(tokio::sync::watch::Sender<bool>);
 
 impl Synced {
-    fn new(done: bool) -> Synced {
+    pub(super) fn new(done: bool) -> Synced {
         Synced(tokio::sync::watch::Sender::new(done))
     }
 
-    fn mark(&self) {
+    pub(super) fn mark(&self) {
         self.0.send_replace(true);
     }
 
@@ -54,27 +54,21 @@ pub struct NodeCache {
     synced: Synced,
     /// Told every node version as it arrives (see [`NodeCache::on_update`]).
     on_update: OnceLock<Hook<NodeSnapshot>>,
-    /// Keeps a hand-fed store's writer alive (see [`NodeCache::from_nodes`]).
-    _writer: Option<reflector::store::Writer<Node>>,
-    _store: Store<Node>,
 }
 
 impl NodeCache {
-    /// Starts a reflector on all Nodes; the returned cache fills as it lists and watches.
-    pub fn start(client: Client) -> Arc<NodeCache> {
-        let (store, writer) = reflector::store();
-        let cache = Arc::new(NodeCache {
+    fn empty() -> NodeCache {
+        NodeCache {
             view: RwLock::new(View::default()),
             synced: Synced::new(false),
             on_update: OnceLock::new(),
-            _writer: None,
-            _store: store,
-        });
-        let stream = reflector::reflector(
-            writer,
-            watcher(Api::<Node>::all(client), watcher::Config::default()),
-        )
-        .default_backoff();
+        }
+    }
+
+    /// Watches all Nodes; the returned cache fills as it lists and watches.
+    pub fn start(client: Client) -> Arc<NodeCache> {
+        let cache = Arc::new(NodeCache::empty());
+        let stream = watcher(Api::<Node>::all(client), watcher::Config::default()).default_backoff();
         let feed = cache.clone();
         tokio::spawn(async move {
             let mut stream = std::pin::pin!(stream);
@@ -89,29 +83,15 @@ impl NodeCache {
     }
 
     /// A cache holding exactly `nodes` (tests and benchmarks), fed through the same events as the
-    /// reflector's.
+    /// watch's.
     pub fn from_nodes(nodes: impl IntoIterator<Item = Node>) -> Arc<NodeCache> {
-        let mut writer = reflector::store::Writer::<Node>::default();
-        let cache = NodeCache {
-            view: RwLock::new(View::default()),
-            synced: Synced::new(false),
-            on_update: OnceLock::new(),
-            _store: writer.as_reader(),
-            _writer: None,
-        };
-        let mut feed = |event: watcher::Event<Node>| {
-            writer.apply_watcher_event(&event);
-            cache.apply(&event);
-        };
-        feed(watcher::Event::Init);
+        let cache = NodeCache::empty();
+        cache.apply(&watcher::Event::Init);
         for n in nodes {
-            feed(watcher::Event::InitApply(n));
+            cache.apply(&watcher::Event::InitApply(n));
         }
-        feed(watcher::Event::InitDone);
-        Arc::new(NodeCache {
-            _writer: Some(writer),
-            ..cache
-        })
+        cache.apply(&watcher::Event::InitDone);
+        Arc::new(cache)
     }
 
     fn read(&self) -> std::sync::RwLockReadGuard<'_, View> {
@@ -122,7 +102,7 @@ impl NodeCache {
         self.view.write().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Applies one watch event (the reflector's store has already applied it).
+    /// Applies one watch event.
     pub fn apply(&self, event: &watcher::Event<Node>) {
         match event {
             watcher::Event::Init => self.write().relist = Some(HashSet::new()),
@@ -205,100 +185,6 @@ impl NodeCache {
 
     pub fn is_empty(&self) -> bool {
         self.read().nodes.is_empty()
-    }
-}
-
-/// Scheduled pods, to resolve preemption victims given by UID.
-pub struct PodCache {
-    store: Store<Pod>,
-    synced: Synced,
-    /// Told of every scheduled pod that is deleted (see [`PodCache::on_delete`]).
-    on_delete: OnceLock<Hook<Pod>>,
-    _writer: Option<reflector::store::Writer<Pod>>,
-}
-
-impl PodCache {
-    pub fn start(client: Client) -> Arc<PodCache> {
-        let (store, writer) = reflector::store();
-        let config = watcher::Config::default().fields("spec.nodeName!=");
-        let stream = reflector::reflector(writer, watcher(Api::<Pod>::all(client), config)).default_backoff();
-        let cache = Arc::new(PodCache {
-            store,
-            synced: Synced::new(false),
-            on_delete: OnceLock::new(),
-            _writer: None,
-        });
-        let feed = cache.clone();
-        tokio::spawn(async move {
-            let mut stream = std::pin::pin!(stream);
-            while let Some(event) = stream.next().await {
-                match event {
-                    Ok(watcher::Event::InitDone) => {
-                        feed.synced.mark();
-                    }
-                    Ok(watcher::Event::Delete(pod)) => {
-                        if let Some(on_delete) = feed.on_delete.get() {
-                            on_delete(&pod);
-                        }
-                    }
-                    Ok(_) => {}
-                    Err(e) => tracing::warn!("pod watch: {e}"),
-                }
-            }
-        });
-        cache
-    }
-
-    pub fn from_pods(pods: impl IntoIterator<Item = Pod>) -> Arc<PodCache> {
-        let mut writer = reflector::store::Writer::<Pod>::default();
-        writer.apply_watcher_event(&watcher::Event::Init);
-        for p in pods {
-            writer.apply_watcher_event(&watcher::Event::InitApply(p));
-        }
-        writer.apply_watcher_event(&watcher::Event::InitDone);
-        Arc::new(PodCache {
-            store: writer.as_reader(),
-            synced: Synced::new(true),
-            on_delete: OnceLock::new(),
-            _writer: Some(writer),
-        })
-    }
-
-    /// Calls `f` with every scheduled pod deleted from now on (once: a second hook is ignored).
-    pub fn on_delete(&self, f: impl Fn(&Pod) + Send + Sync + 'static) {
-        let _ = self.on_delete.set(Box::new(f));
-    }
-
-    /// Whether the first list of pods has been read.
-    pub fn synced(&self) -> &Synced {
-        &self.synced
-    }
-
-    /// Pods bound to `node`.
-    pub fn on_node(&self, node: &str) -> Vec<Arc<Pod>> {
-        self.store
-            .state()
-            .into_iter()
-            .filter(|p| p.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some(node))
-            .collect()
-    }
-
-    /// The pods with these UIDs that the cache holds, by UID: one pass over the store, however many
-    /// UIDs (a `preempt` call names thousands of victims).
-    pub fn by_uids(&self, uids: &HashSet<&str>) -> HashMap<String, Arc<Pod>> {
-        self.store
-            .state()
-            .into_iter()
-            .filter_map(|p| {
-                let uid = p
-                    .metadata
-                    .uid
-                    .as_deref()
-                    .filter(|u| uids.contains(u))?
-                    .to_string();
-                Some((uid, p))
-            })
-            .collect()
     }
 }
 

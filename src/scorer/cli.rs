@@ -1,7 +1,8 @@
 //! `gpumem scorer`: its command line and the server's run loop (caches, ports, signals).
 
-use super::cache::{NodeCache, PodCache};
+use super::cache::NodeCache;
 use super::config::ScorerConfig;
+use super::pods::PodCache;
 use super::{Scorer, server};
 use anyhow::Context;
 use kube::Client;

@@ -24,6 +24,7 @@ pub mod extender;
 mod filter;
 pub mod ledger;
 pub mod metrics;
+pub mod pods;
 mod preempt;
 pub mod server;
 pub mod state;
@@ -36,11 +37,12 @@ use std::time::{Duration, Instant};
 use k8s_openapi::api::core::v1::Pod;
 use kube::Client;
 
-use self::cache::{NodeCache, PodCache, RawNodeCache};
+use self::cache::{NodeCache, RawNodeCache};
 use self::config::ScorerConfig;
 use self::extender::{ExtenderArgs, NodeNames};
 use self::ledger::Ledger;
 use self::metrics::{Metrics, VerbLabel};
+use self::pods::PodCache;
 use self::state::{ClassRules, NodeSnapshot, PodDemand};
 
 /// A request the scorer cannot work with (HTTP 400).
@@ -131,15 +133,9 @@ impl Scorer {
         if let Some(pods) = &self.pods {
             let scorer = Arc::downgrade(self);
             pods.on_delete(move |pod| {
-                let (Some(scorer), Some(ns), Some(name), Some(node)) = (
-                    scorer.upgrade(),
-                    pod.metadata.namespace.as_deref(),
-                    pod.metadata.name.as_deref(),
-                    pod.spec.as_ref().and_then(|s| s.node_name.as_deref()),
-                ) else {
-                    return;
-                };
-                scorer.ledger.release(node, &format!("{ns}/{name}"));
+                if let Some(scorer) = scorer.upgrade() {
+                    scorer.ledger.release(&pod.node, &pod.key);
+                }
             });
         }
     }

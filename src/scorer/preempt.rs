@@ -2,10 +2,10 @@
 //! ([`super::victims`]), with the PodDisruptionBudgets read from the API server.
 
 use super::extender::{ExtenderPreemptionArgs, ExtenderPreemptionResult, MetaPod, MetaVictims};
+use super::pods::PodRecord;
 use super::state::{NodeSnapshot, PodDemand};
 use super::victims::VictimInfo;
 use super::{BadRequest, Scorer, victims};
-use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use kube::Api;
 use kube::api::ListParams;
@@ -14,8 +14,9 @@ use std::sync::Arc;
 use std::time::Instant;
 use tracing::Instrument as _;
 
-/// One node's victims: the pod objects where known, their UIDs, kube-scheduler's PDB violation count.
-type ProposedVictims = (Vec<Option<Arc<Pod>>>, Vec<String>, i64);
+/// One node's victims: what the scorer knows of each pod (`None`: unknown), their UIDs, kube-scheduler's
+/// PDB violation count.
+type ProposedVictims = (Vec<Option<Arc<PodRecord>>>, Vec<String>, i64);
 /// Victims per node.
 type Proposed = BTreeMap<String, ProposedVictims>;
 
@@ -37,7 +38,7 @@ impl Scorer {
     ) -> Result<ExtenderPreemptionResult, BadRequest> {
         let start = Instant::now();
         let demand = self.demand(args.pod.as_ref())?;
-        // Victims per node as (pod objects when known, UIDs, kube-scheduler's PDB count).
+        // Victims per node as (pod records when known, UIDs, kube-scheduler's PDB count).
         let mut proposed: Proposed = BTreeMap::new();
         if let Some(map) = args.node_name_to_victims {
             for (node, v) in map {
@@ -47,7 +48,11 @@ impl Scorer {
                     .iter()
                     .map(|p| p.metadata.uid.clone().unwrap_or_default())
                     .collect();
-                let pods = v.pods.into_iter().map(|p| Some(Arc::new(p))).collect();
+                let pods = v
+                    .pods
+                    .iter()
+                    .map(|p| PodRecord::from_pod(p).map(Arc::new))
+                    .collect();
                 proposed.insert(node, (pods, uids, v.num_pdb_violations));
             }
         } else if let Some(map) = args.node_name_to_meta_victims {
@@ -119,8 +124,9 @@ impl Scorer {
                 tracing::warn!("preempt: a victim on {node_name} is unknown to the scorer; node skipped");
                 continue;
             }
-            let pods: Vec<&Pod> = pods.iter().flatten().map(|p| p.as_ref()).collect();
-            let mut victims: Vec<VictimInfo> = pods.iter().map(|p| VictimInfo::from_pod(p, &node)).collect();
+            let pods: Vec<&PodRecord> = pods.iter().flatten().map(|p| p.as_ref()).collect();
+            let mut victims: Vec<VictimInfo> =
+                pods.iter().map(|p| VictimInfo::from_record(p, &node)).collect();
             if let Some(pdbs) = pdbs {
                 victims::mark_pdb_violations(&mut victims, &pods, pdbs);
             }
@@ -146,7 +152,7 @@ impl Scorer {
         let mut namespaces: Vec<String> = proposed
             .values()
             .flat_map(|(pods, _, _)| pods.iter().flatten())
-            .filter_map(|p| p.metadata.namespace.clone())
+            .map(|p| p.namespace().to_string())
             .collect();
         namespaces.sort();
         namespaces.dedup();

@@ -7,11 +7,11 @@
 
 use std::collections::BTreeMap;
 
-use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
 
-use super::state::{Demand, NodeSnapshot, PodDemand, assigned_gpus, is_preemptible};
+use super::pods::PodRecord;
+use super::state::{Demand, NodeSnapshot, PodDemand};
 
 /// What the scorer knows of one proposed victim.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -28,42 +28,29 @@ pub struct VictimInfo {
 }
 
 impl VictimInfo {
-    /// From the pod object, on `node` (`unit_mib` from the node). The GPUs come from the pod's
-    /// assigned-GPUs annotation, or else from the usage annotation's pod lists.
-    pub fn from_pod(pod: &Pod, node: &NodeSnapshot) -> VictimInfo {
-        let key = format!(
-            "{}/{}",
-            pod.metadata.namespace.as_deref().unwrap_or("default"),
-            pod.metadata.name.as_deref().unwrap_or("")
-        );
-        let rules = super::state::ClassRules {
-            online_priority_classes: Vec::new(),
-            online_min_priority: None,
-        };
-        let demand = super::state::pod_demand(pod, &rules).ok().flatten();
-        let mut gpus: Vec<usize> = assigned_gpus(pod)
+    /// From what the scorer knows of the pod, on `node` (`unit_mib` from the node). The GPUs come from
+    /// the pod's assigned-GPUs annotation, or else from the usage annotation's pod lists.
+    pub fn from_record(pod: &PodRecord, node: &NodeSnapshot) -> VictimInfo {
+        let mut gpus: Vec<usize> = pod
+            .assigned_gpus
             .iter()
             .filter_map(|u| node.position_of(u))
             .collect();
         if gpus.is_empty() {
             gpus = (0..node.gpus().len())
-                .filter(|&p| node.gpus()[p].pods.contains(&key))
+                .filter(|&p| node.gpus()[p].pods.iter().any(|k| **k == *pod.key))
                 .collect();
         }
-        let mib = match demand.as_ref().map(|d| d.demand) {
-            Some(Demand::Memory { .. }) => demand.as_ref().map(|d| d.memory_mib(node.unit_mib)),
-            _ => None,
-        };
-        if demand.is_none() {
+        if pod.demand.is_none() {
             gpus.clear();
         }
         VictimInfo {
-            uid: pod.metadata.uid.clone().unwrap_or_default(),
-            key,
-            preemptible: is_preemptible(pod),
+            uid: pod.uid.to_string(),
+            key: pod.key.to_string(),
+            preemptible: pod.preemptible,
             violates_pdb: None,
             gpus,
-            mib,
+            mib: pod.memory_mib(node.unit_mib),
         }
     }
 }
@@ -171,23 +158,22 @@ pub fn select_victims(
 
 /// Marks each victim that would violate a PodDisruptionBudget, as kube-scheduler decides it: in order,
 /// a pod matching a PDB with no disruptions left violates it; otherwise it uses one up.
-pub fn mark_pdb_violations(victims: &mut [VictimInfo], pods: &[&Pod], pdbs: &[PodDisruptionBudget]) {
+pub fn mark_pdb_violations(victims: &mut [VictimInfo], pods: &[&PodRecord], pdbs: &[PodDisruptionBudget]) {
     let mut allowed: Vec<i32> = pdbs
         .iter()
         .map(|p| p.status.as_ref().map_or(0, |s| s.disruptions_allowed))
         .collect();
     for (v, pod) in victims.iter_mut().zip(pods) {
-        let empty = BTreeMap::new();
-        let labels = pod.metadata.labels.as_ref().unwrap_or(&empty);
+        let labels = pod.labels();
         let mut violates = false;
         for (i, pdb) in pdbs.iter().enumerate() {
-            if pdb.metadata.namespace != pod.metadata.namespace {
+            if pdb.metadata.namespace.as_deref() != Some(pod.namespace()) {
                 continue;
             }
             let Some(selector) = pdb.spec.as_ref().and_then(|s| s.selector.as_ref()) else {
                 continue;
             };
-            if !selector_matches(selector, labels) {
+            if !selector_matches(selector, &labels) {
                 continue;
             }
             if allowed[i] <= 0 {
