@@ -221,3 +221,64 @@ async fn the_typical_mix_is_learned_from_the_pods_decided() {
     close(&text, "gpumem_node_fragmentation_ratio{node=\"tight\"}", 1.0);
     close(&text, "gpumem_node_fragmentation_ratio{node=\"idle\"}", 0.0);
 }
+
+/// A restarted scorer goes on from the GPU pods bound in the cluster (its pod cache), not from the
+/// prior: with more than the learner's minimum bound, the first decision already uses the learned mix,
+/// and a bound pod decided again is not counted twice.
+#[tokio::test]
+async fn a_restarted_scorer_learns_the_mix_from_the_bound_pods() {
+    use gpumem::scorer::pods::PodCache;
+    use std::sync::Arc;
+    let min = gpumem::alloc::MixConfig::default().min_pods;
+    let api = Arc::new(FakeApi::default());
+    for n in world() {
+        api.add_node(&n);
+    }
+    let mut uids = Vec::new();
+    for i in 0..min + 20 {
+        let mut pod = pod_json(&format!("bound-{i}"), 9000, 0, json!({}), json!({}));
+        pod["spec"]["nodeName"] = json!("idle");
+        uids.push(pod["metadata"]["uid"].clone());
+        api.add_pod(&pod);
+    }
+    // Not bound: not part of the cluster's workload yet.
+    api.add_pod(&pod_json("pending", 2000, 0, json!({}), json!({})));
+    let client = fake_api(api.clone()).await;
+    let scorer = Arc::new(Scorer::new(
+        ScorerConfig::default(),
+        Some(client.clone()),
+        Some(NodeCache::start(client.clone())),
+        Some(PodCache::start(client)),
+    ));
+    scorer.follow_caches();
+    let (addr, _task) = gpumem::scorer::server::spawn(scorer.clone(), "127.0.0.1:0".parse().expect("addr"))
+        .await
+        .expect("bind loopback");
+    let mut text = String::new();
+    for _ in 0..100 {
+        text = scrape(addr).await;
+        if sample(&text, "gpumem_scorer_mix_pods_seen") == Some((min + 20) as f64) {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    close(&text, "gpumem_scorer_mix_pods_seen", (min + 20) as f64);
+    close(&text, "gpumem_scorer_mix_generation", 1.0);
+    // One of them decided again (kube-scheduler retries a pod whose bind it did not see): once only.
+    let again = pod_json("bound-0", 9000, 0, json!({}), json!({}));
+    assert_eq!(again["metadata"]["uid"], uids[0]);
+    let (status, _) = post_json(addr, "/filter", &args_nodes(&again, &world()[..1])).await;
+    assert_eq!(status, 200);
+    tokio::time::sleep(gpumem::scorer::metrics::GAUGE_PERIOD).await;
+    close(
+        &scrape(addr).await,
+        "gpumem_scorer_mix_pods_seen",
+        (min + 20) as f64,
+    );
+    // Against 9000 MiB jobs (the learned mix, not the prior's), `tight`'s 6000 free MiB are all fragment.
+    close(
+        &scrape(addr).await,
+        "gpumem_node_fragmentation_ratio{node=\"tight\"}",
+        1.0,
+    );
+}

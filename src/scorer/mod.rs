@@ -138,6 +138,34 @@ impl Scorer {
                 }
             });
         }
+        if let (Some(nodes), Some(pods)) = (self.nodes.clone(), self.pods.clone()) {
+            let scorer = Arc::downgrade(self);
+            tokio::spawn(async move {
+                nodes.synced().wait().await;
+                pods.synced().wait().await;
+                if let Some(scorer) = scorer.upgrade() {
+                    scorer.learn_from_bound_pods(&nodes, &pods);
+                }
+            });
+        }
+    }
+
+    /// Counts the GPU pods already bound into the learned mix, oldest bind first: a restarted scorer
+    /// goes on from the cluster's workload, not from the prior.
+    fn learn_from_bound_pods(&self, nodes: &NodeCache, pods: &PodCache) {
+        let before = self.workload.seen();
+        for pod in pods.all() {
+            let (Some(demand), Some(node)) = (pod.demand, nodes.get(&pod.node)) else {
+                continue;
+            };
+            let need_mib = pod.memory_mib(node.unit_mib).unwrap_or(0);
+            let request = decide::request(demand, need_mib, pod.cpu_request_milli, pod.memory_request_mib);
+            self.workload.observe_request(&pod.uid, &request);
+        }
+        tracing::info!(
+            pods = self.workload.seen() - before,
+            "learned mix: counted the GPU pods bound in the cluster"
+        );
     }
 
     /// What has not read its first list from the API server yet (`None`: ready). Before the node and

@@ -33,6 +33,9 @@ pub struct PodRecord {
     pub assigned_at: Option<Timestamp>,
     /// Its GPU request; `None`: no GPU, or a request the scorer cannot read.
     pub demand: Option<Demand>,
+    /// Its CPU (millicores) and memory (MiB) requests, for the learned mix.
+    pub cpu_request_milli: u64,
+    pub memory_request_mib: u64,
 }
 
 impl PodRecord {
@@ -52,7 +55,7 @@ impl PodRecord {
             online_priority_classes: Vec::new(),
             online_min_priority: None,
         };
-        let demand = state::pod_demand(pod, &rules).ok().flatten().map(|d| d.demand);
+        let demand = state::pod_demand(pod, &rules).ok().flatten();
         let assigned_at = meta
             .annotations
             .as_ref()
@@ -70,7 +73,9 @@ impl PodRecord {
             preemptible: state::is_preemptible(pod),
             assigned_gpus: state::assigned_gpus(pod).into_iter().map(Into::into).collect(),
             assigned_at,
-            demand,
+            cpu_request_milli: demand.as_ref().map_or(0, |d| d.cpu_milli),
+            memory_request_mib: demand.as_ref().map_or(0, |d| d.memory_mib),
+            demand: demand.map(|d| d.demand),
         })
     }
 
@@ -250,6 +255,13 @@ impl PodCache {
     /// Pods bound to `node`.
     pub fn on_node(&self, node: &str) -> Vec<Arc<PodRecord>> {
         self.read().by_node.get(node).cloned().unwrap_or_default()
+    }
+
+    /// Every pod, oldest bind first (pods without the scorer's bind time, first of all).
+    pub fn all(&self) -> Vec<Arc<PodRecord>> {
+        let mut all: Vec<Arc<PodRecord>> = self.read().by_uid.values().cloned().collect();
+        all.sort_by(|a, b| (a.assigned_at, &a.uid).cmp(&(b.assigned_at, &b.uid)));
+        all
     }
 
     /// The pods with these UIDs that the cache holds, by UID.

@@ -3,8 +3,9 @@
 //! `gpumem simulate` replays with ([`crate::alloc::mix`]): a decision never knows its own pod, and
 //! `prioritize` and `bind` of one pod see the same mix. The
 //! fragmentation-aware policy protects the mix learned from them; `typicalMix` in the configuration
-//! is the prior until [`MixConfig::min_pods`] pods were seen. A restarted scorer starts again from
-//! the prior.
+//! is the prior until [`MixConfig::min_pods`] pods were seen. A restarted scorer first counts the GPU
+//! pods bound in the cluster ([`Workload::observe_request`], from the pod cache), so it does not fall
+//! back to the prior for the next hundred pods.
 
 use std::collections::{HashSet, VecDeque};
 use std::sync::{Arc, Mutex};
@@ -12,7 +13,7 @@ use std::sync::{Arc, Mutex};
 use super::config::ScorerConfig;
 use super::decide;
 use super::state::PodDemand;
-use crate::alloc::{MixConfig, OnlineMix, TypicalMix};
+use crate::alloc::{MixConfig, OnlineMix, Request, TypicalMix};
 
 /// Pod UIDs remembered, so that a pod ranked again (kube-scheduler retries, `bind` re-ranks) is
 /// counted once; the oldest are forgotten first.
@@ -79,19 +80,24 @@ impl Workload {
     /// Counts `pod` (once per UID), asking `need_mib` of one GPU where it is a memory pod (the MiB
     /// its request is on the nodes it was ranked on).
     pub fn observe(&self, pod: &PodDemand, need_mib: u64) {
+        self.observe_request(&pod.uid, &decide::request_of(pod, need_mib));
+    }
+
+    /// Counts the pod `uid` (once) asking for `request`.
+    pub fn observe_request(&self, uid: &str, request: &Request) {
         let mut inner = self.lock();
-        if !pod.uid.is_empty() {
-            if !inner.seen.insert(pod.uid.clone()) {
+        if !uid.is_empty() {
+            if !inner.seen.insert(uid.to_string()) {
                 return;
             }
-            inner.order.push_back(pod.uid.clone());
+            inner.order.push_back(uid.to_string());
             if inner.order.len() > REMEMBERED_PODS
                 && let Some(oldest) = inner.order.pop_front()
             {
                 inner.seen.remove(&oldest);
             }
         }
-        inner.online.observe(&decide::request_of(pod, need_mib));
+        inner.online.observe(request);
     }
 
     /// The mix to decide with now (moved on to the learned one when it drifted far enough).

@@ -17,7 +17,7 @@ mod view;
 
 pub use fit::{Fit, MAX_REASON_BYTES, Rejection, bounded_reason, check};
 pub use gauges::{Fragmentation, fragmentation};
-pub use rank::{Scored, prioritize, request_of};
+pub use rank::{Scored, prioritize, request, request_of};
 pub use topology::{NVLINK_SEARCH_STEPS, pair_scores};
 pub use view::PolicyCache;
 

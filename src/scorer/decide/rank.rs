@@ -25,10 +25,16 @@ pub struct Scored {
 /// the policy ranks, and what the learned mix counts ([`super::workload`]). Allowed models are not
 /// carried: the policy reads them from the node's eligible GPUs.
 pub fn request_of(pod: &PodDemand, need_mib: u64) -> Request {
+    request(pod.demand, need_mib, pod.cpu_milli, pod.memory_mib)
+}
+
+/// The policy's request for a GPU `demand` of `need_mib` on one GPU (memory pods) with these CPU and
+/// memory requests.
+pub fn request(demand: Demand, need_mib: u64, cpu_milli: u64, memory_mib: u64) -> Request {
     Request {
-        cpu_milli: pod.cpu_milli,
-        memory_mib: pod.memory_mib,
-        gpu: match pod.demand {
+        cpu_milli,
+        memory_mib,
+        gpu: match demand {
             Demand::Memory { .. } => GpuDemand::Shared {
                 amount: u32::try_from(need_mib).unwrap_or(u32::MAX),
             },
