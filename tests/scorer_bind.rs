@@ -30,7 +30,7 @@ fn bind_args(pod: &str, node: &str) -> Value {
 }
 
 #[tokio::test]
-async fn bind_records_the_gpu_then_creates_the_binding() {
+async fn bind_creates_one_binding_that_carries_the_gpu_choice() {
     // The fixture pod (5000 MiB) onto the fixture node "one-big" (one GPU, 6000 MiB free).
     let nodes = fixture_json("nodes.json")["items"]
         .as_array()
@@ -42,9 +42,19 @@ async fn bind_records_the_gpu_then_creates_the_binding() {
     assert_eq!(r, json!({"Error": ""}));
     let seen = api.seen();
     let writes: Vec<&Seen> = seen.iter().filter(|s| s.method != "GET").collect();
-    assert_eq!(writes.len(), 2, "{seen:?}");
-    assert_eq!(writes[0].method, "PATCH");
-    assert_eq!(writes[0].path, "/api/v1/namespaces/team-a/pods/infer-0");
+    assert_eq!(writes.len(), 1, "one write per bind: {seen:?}");
+    let read = seen.iter().find(|s| s.method == "GET").expect("the pod is read");
+    assert!(
+        read.query.contains("resourceVersion=0"),
+        "read from the API server's cache: {read:?}"
+    );
+    assert_eq!(writes[0].method, "POST");
+    assert_eq!(writes[0].path, "/api/v1/namespaces/team-a/pods/infer-0/binding");
+    assert_eq!(
+        writes[0].body["target"],
+        json!({"apiVersion": "v1", "kind": "Node", "name": "one-big"})
+    );
+    assert_eq!(writes[0].body["metadata"]["name"], "infer-0");
     let ann = &writes[0].body["metadata"]["annotations"];
     assert_eq!(ann["gpumem.io/assigned-gpus"], "GPU-big-0");
     assert!(
@@ -53,13 +63,13 @@ async fn bind_records_the_gpu_then_creates_the_binding() {
             .is_some_and(|t| t.ends_with('Z')),
         "{ann}"
     );
-    assert_eq!(writes[1].method, "POST");
-    assert_eq!(writes[1].path, "/api/v1/namespaces/team-a/pods/infer-0/binding");
+    // As the API server does: the pod is bound with the annotations in one update.
+    let pod = api.pod("team-a/infer-0").expect("pod");
+    assert_eq!(pod["spec"]["nodeName"], "one-big");
     assert_eq!(
-        writes[1].body["target"],
-        json!({"apiVersion": "v1", "kind": "Node", "name": "one-big"})
+        pod["metadata"]["annotations"]["gpumem.io/assigned-gpus"],
+        "GPU-big-0"
     );
-    assert_eq!(writes[1].body["metadata"]["name"], "infer-0");
     api.assert_all_granted();
 }
 
@@ -78,13 +88,13 @@ async fn bind_uses_the_policy_choice_of_gpu() {
     let (addr, _, api) = setup(&[node], &[pod]).await;
     let (_, r) = post_json(addr, "/bind", &bind_args("p", "n")).await;
     assert_eq!(r["Error"], "");
-    let patch = api
+    let binding = api
         .seen()
         .into_iter()
-        .find(|s| s.method == "PATCH")
-        .expect("patched");
+        .find(|s| s.method == "POST")
+        .expect("bound");
     assert_eq!(
-        patch.body["metadata"]["annotations"]["gpumem.io/assigned-gpus"],
+        binding.body["metadata"]["annotations"]["gpumem.io/assigned-gpus"],
         uuid("n", 1)
     );
     api.assert_all_granted();
@@ -99,8 +109,8 @@ async fn concurrent_binds_never_double_book_a_gpu() {
         pod_json("p2", 5000, 0, json!({}), json!({})),
     ];
     let (addr, scorer, api) = setup(&[node], &pods).await;
-    // Slow PATCHes: both binds are in flight at once, neither visible in the node's annotation.
-    *api.patch_delay.lock().expect("lock") = Duration::from_millis(300);
+    // Slow bindings: both binds are in flight at once, neither visible in the node's annotation.
+    *api.binding_delay.lock().expect("lock") = Duration::from_millis(300);
     let (args1, args2) = (bind_args("p1", "n"), bind_args("p2", "n"));
     let (a, b) = tokio::join!(post_json(addr, "/bind", &args1), post_json(addr, "/bind", &args2));
     let errors: Vec<String> = [a.1, b.1]
@@ -353,12 +363,12 @@ async fn bind_reads_requests_in_every_form_the_api_server_returns() {
     for pod in ["e", "k", "ki"] {
         let (_, r) = post_json(addr, "/bind", &bind_args(pod, "n")).await;
         assert_eq!(r["Error"], "", "{pod}");
-        let patch = api
+        let binding = api
             .seen()
             .into_iter()
-            .rfind(|s| s.method == "PATCH")
-            .expect("patched");
-        chosen.push(patch.body["metadata"]["annotations"]["gpumem.io/assigned-gpus"].clone());
+            .rfind(|s| s.method == "POST")
+            .expect("bound");
+        chosen.push(binding.body["metadata"]["annotations"]["gpumem.io/assigned-gpus"].clone());
     }
     chosen[..2].sort_by_key(|u| u.to_string());
     assert_eq!(

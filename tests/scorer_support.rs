@@ -261,6 +261,7 @@ pub fn args_nodes(pod: &Value, nodes: &[Value]) -> Value {
 pub struct Seen {
     pub method: String,
     pub path: String,
+    pub query: String,
     pub body: Value,
     /// What the authorizer decided on.
     pub access: Access,
@@ -269,7 +270,7 @@ pub struct Seen {
 type Body = BoxBody<Bytes, std::convert::Infallible>;
 
 /// A fake Kubernetes API server: nodes and pods to get, list and watch (a watch stays open and quiet),
-/// PATCH of pods (merge), POST of bindings, PodDisruptionBudget lists; it records every request. Like a
+/// POST of bindings, PodDisruptionBudget lists; it records every request. Like a
 /// real one it authorizes each request against the scorer's shipped RBAC role (403 otherwise) and
 /// stores objects as the API server would ([`k8s`]).
 pub struct FakeApi {
@@ -277,8 +278,8 @@ pub struct FakeApi {
     nodes: Mutex<BTreeMap<String, Value>>,
     pub pdbs: Mutex<Vec<Value>>,
     pub seen: Mutex<Vec<Seen>>,
-    /// Delay before answering a PATCH (to make binds overlap).
-    pub patch_delay: Mutex<Duration>,
+    /// Delay before answering a binding POST (to make binds overlap).
+    pub binding_delay: Mutex<Duration>,
     /// Pods whose binding POST fails with 409.
     pub refuse_binding: Mutex<Vec<String>>,
     /// While true, lists wait (an API server slow to answer a starting scorer).
@@ -293,7 +294,7 @@ impl Default for FakeApi {
             nodes: Mutex::default(),
             pdbs: Mutex::default(),
             seen: Mutex::default(),
-            patch_delay: Mutex::default(),
+            binding_delay: Mutex::default(),
             refuse_binding: Mutex::default(),
             hold_lists: tokio::sync::watch::Sender::new(false),
             authorizer: Authorizer::new("scorer"),
@@ -350,6 +351,7 @@ impl FakeApi {
         self.seen.lock().expect("lock").push(Seen {
             method: method.clone(),
             path: path.clone(),
+            query: query.clone(),
             body: body.clone(),
             access: request_info(&method, &path, &query).access,
         });
@@ -414,21 +416,18 @@ impl FakeApi {
                     None => not_found(),
                 }
             }
-            ("PATCH", ["api", "v1", "namespaces", ns, "pods", name]) => {
-                let delay = *self.patch_delay.lock().expect("lock");
+            // As the real one (BindingREST): the pod must exist, not be bound or being deleted; the
+            // Binding's annotations are merged onto the pod in the update that sets its node.
+            ("POST", ["api", "v1", "namespaces", ns, "pods", name, "binding"]) => {
+                let delay = *self.binding_delay.lock().expect("lock");
                 tokio::time::sleep(delay).await;
-                let mut pods = self.pods.lock().expect("lock");
-                let Some(pod) = pods.get_mut(&format!("{ns}/{name}")) else {
-                    return not_found();
+                let conflict = |message: String| {
+                    reply(
+                        409,
+                        json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
+                        "reason": "Conflict", "code": 409, "message": message}),
+                    )
                 };
-                if let Some(ann) = body.pointer("/metadata/annotations").and_then(Value::as_object) {
-                    for (k, v) in ann {
-                        pod["metadata"]["annotations"][k] = v.clone();
-                    }
-                }
-                reply(200, pod.clone())
-            }
-            ("POST", ["api", "v1", "namespaces", _ns, "pods", name, "binding"]) => {
                 if self
                     .refuse_binding
                     .lock()
@@ -436,12 +435,25 @@ impl FakeApi {
                     .iter()
                     .any(|p| p == name)
                 {
-                    return reply(
-                        409,
-                        json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
-                        "reason": "Conflict", "code": 409, "message": "pod is already assigned"}),
-                    );
+                    return conflict("pod is already assigned".into());
                 }
+                let mut pods = self.pods.lock().expect("lock");
+                let Some(pod) = pods.get_mut(&format!("{ns}/{name}")) else {
+                    return not_found();
+                };
+                let bound = pod
+                    .pointer("/spec/nodeName")
+                    .and_then(Value::as_str)
+                    .unwrap_or("");
+                if !bound.is_empty() {
+                    return conflict(format!("pod {name} is already assigned to node {bound:?}"));
+                }
+                if let Some(ann) = body.pointer("/metadata/annotations").and_then(Value::as_object) {
+                    for (k, v) in ann {
+                        pod["metadata"]["annotations"][k] = v.clone();
+                    }
+                }
+                pod["spec"]["nodeName"] = body["target"]["name"].clone();
                 reply(
                     201,
                     json!({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success", "code": 201}),

@@ -1,5 +1,5 @@
-//! The `bind` verb: re-checks the node in the kept view, records the chosen GPUs on the pod and
-//! creates the Binding, holding a ledger reservation until the agent reports the allocation.
+//! The `bind` verb: re-checks the node in the kept view and creates the Binding, which carries the
+//! chosen GPUs onto the pod, holding a ledger reservation until the agent reports the allocation.
 
 use super::extender::{ExtenderBindingArgs, ExtenderBindingResult};
 use super::ledger::Reservation;
@@ -10,7 +10,8 @@ use crate::node::{ASSIGNED_AT_ANNOTATION, ASSIGNED_GPUS_ANNOTATION};
 use k8s_openapi::api::core::v1::{Binding, Node, ObjectReference, Pod};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::Api;
-use kube::api::{Patch, PatchParams, PostParams};
+use kube::api::{GetParams, PostParams};
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Instant;
 use tracing::Instrument as _;
@@ -201,10 +202,15 @@ impl Scorer {
         let client = self.client.clone().ok_or(BindError::NoClient)?;
         let namespace = check_binding_args(args).map_err(BindError::BadRequest)?;
         let pods: Api<Pod> = Api::namespaced(client, namespace);
-        let pod = pods.get(&args.pod_name).await.map_err(BindError::api(format!(
-            "reading pod {namespace}/{}",
-            args.pod_name
-        )))?;
+        // From the API server's watch cache (resourceVersion 0), not a quorum read from etcd: kube-scheduler
+        // saw the pod through the same cache, and the Binding itself is refused for a pod being deleted.
+        let pod = pods
+            .get_with(&args.pod_name, &GetParams::any())
+            .await
+            .map_err(BindError::api(format!(
+                "reading pod {namespace}/{}",
+                args.pod_name
+            )))?;
         self.check_bindable(&pod, args, namespace)?;
         let demand = state::pod_demand(&pod, &self.rules).map_err(BindError::BadPod)?;
         let mut reserved: Option<Reservation> = None;
@@ -243,23 +249,26 @@ impl Scorer {
             self.workload.observe(d, d.memory_mib(node.unit_mib));
             reserved = Some(r?);
         }
+        // The GPU choice travels in the Binding: the API server copies its annotations onto the pod in the
+        // same update that sets the node, so no one sees the pod bound without them (and it costs one
+        // write, not two).
+        let annotations = reserved.as_ref().map(|r| {
+            let uuids: Vec<&str> = r.gpus.iter().map(|(_, u)| u.as_str()).collect();
+            BTreeMap::from([
+                (ASSIGNED_GPUS_ANNOTATION.to_string(), uuids.join(",")),
+                (
+                    ASSIGNED_AT_ANNOTATION.to_string(),
+                    k8s_openapi::jiff::Timestamp::now().to_string(),
+                ),
+            ])
+        });
         let outcome = async {
-            if let Some(r) = &reserved {
-                let uuids: Vec<&str> = r.gpus.iter().map(|(_, u)| u.as_str()).collect();
-                let now = k8s_openapi::jiff::Timestamp::now().to_string();
-                let patch = serde_json::json!({"metadata": {"annotations": {
-                    ASSIGNED_GPUS_ANNOTATION: uuids.join(","),
-                    ASSIGNED_AT_ANNOTATION: now,
-                }}});
-                pods.patch(&args.pod_name, &PatchParams::default(), &Patch::Merge(&patch))
-                    .await
-                    .map_err(BindError::api("recording the GPU choice on the pod"))?;
-            }
             let binding = Binding {
                 metadata: ObjectMeta {
                     name: Some(args.pod_name.clone()),
                     namespace: Some(namespace.to_string()),
                     uid: pod.metadata.uid.clone(),
+                    annotations,
                     ..ObjectMeta::default()
                 },
                 target: ObjectReference {
