@@ -73,6 +73,41 @@ async fn bind_creates_one_binding_that_carries_the_gpu_choice() {
     api.assert_all_granted();
 }
 
+/// kube-scheduler starts the next pod's cycle while a bind is on its way: a pod `filter` saw is reserved
+/// as soon as its bind arrives, before the pod is read from the API server, so the next `filter` does
+/// not offer the same room (and its bind then fail).
+#[tokio::test]
+async fn a_filtered_pod_is_reserved_before_its_bind_reads_the_api_server() {
+    let node = || node_json("n", &[g(16384, 10384), g(16384, 14384)]);
+    let pods = [
+        pod_json("p1", 5000, 0, json!({}), json!({})),
+        pod_json("p2", 5000, 0, json!({}), json!({})),
+    ];
+    let (addr, _, api) = setup(&[node()], &pods).await;
+    let (_, r) = post_json(addr, "/filter", &args_nodes(&pods[0], &[node()])).await;
+    assert_eq!(r["Nodes"]["items"].as_array().map(Vec::len), Some(1), "{r}");
+    *api.pod_get_delay.lock().expect("lock") = Duration::from_millis(500);
+    let bind = tokio::spawn(async move { post_json(addr, "/bind", &bind_args("p1", "n")).await });
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    let (_, r) = post_json(addr, "/filter", &args_nodes(&pods[1], &[node()])).await;
+    assert_eq!(
+        r["Nodes"]["items"],
+        json!([]),
+        "p1's room is held while its bind reads the pod: {r}"
+    );
+    let (_, r) = bind.await.expect("bind");
+    assert_eq!(r["Error"], "", "{r}");
+    // A bind kube-scheduler sends without a filter first (a restarted scorer) reads the pod, then reserves.
+    let (_, r) = post_json(addr, "/bind", &bind_args("p2", "n")).await;
+    assert!(
+        r["Error"]
+            .as_str()
+            .is_some_and(|e| e.contains("largest free GPU has 2000 MiB")),
+        "{r}"
+    );
+    api.assert_all_granted();
+}
+
 #[tokio::test]
 async fn bind_uses_the_policy_choice_of_gpu() {
     // 4000 MiB: GPU 0 is idle (keep it whole), GPU 1 would keep 2384 MiB (room for a typical 2048 MiB

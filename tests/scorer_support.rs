@@ -280,6 +280,8 @@ pub struct FakeApi {
     pub seen: Mutex<Vec<Seen>>,
     /// Delay before answering a binding POST (to make binds overlap).
     pub binding_delay: Mutex<Duration>,
+    /// Delay before answering a GET of one pod.
+    pub pod_get_delay: Mutex<Duration>,
     /// Pods whose binding POST fails with 409.
     pub refuse_binding: Mutex<Vec<String>>,
     /// While true, lists wait (an API server slow to answer a starting scorer).
@@ -295,6 +297,7 @@ impl Default for FakeApi {
             pdbs: Mutex::default(),
             seen: Mutex::default(),
             binding_delay: Mutex::default(),
+            pod_get_delay: Mutex::default(),
             refuse_binding: Mutex::default(),
             hold_lists: tokio::sync::watch::Sender::new(false),
             authorizer: Authorizer::new("scorer"),
@@ -411,6 +414,8 @@ impl FakeApi {
                 None => not_found(),
             },
             ("GET", ["api", "v1", "namespaces", ns, "pods", name]) => {
+                let delay = *self.pod_get_delay.lock().expect("lock");
+                tokio::time::sleep(delay).await;
                 match self.pods.lock().expect("lock").get(&format!("{ns}/{name}")) {
                     Some(p) => reply(200, p.clone()),
                     None => not_found(),

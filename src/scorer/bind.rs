@@ -4,14 +4,14 @@
 use super::extender::{ExtenderBindingArgs, ExtenderBindingResult};
 use super::ledger::Reservation;
 use super::metrics::KindLabel;
-use super::state::NodeSnapshot;
+use super::state::{NodeSnapshot, PodDemand};
 use super::{Scorer, decide, ledger, state};
 use crate::node::{ASSIGNED_AT_ANNOTATION, ASSIGNED_GPUS_ANNOTATION};
 use k8s_openapi::api::core::v1::{Binding, Node, ObjectReference, Pod};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::Api;
 use kube::api::{GetParams, PostParams};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::Instant;
 use tracing::Instrument as _;
@@ -198,71 +198,84 @@ impl Scorer {
         Ok(())
     }
 
+    /// Chooses `d`'s GPU(s) on `node_name` as `prioritize` scored them and reserves them in the ledger.
+    async fn reserve(&self, d: &PodDemand, node_name: &str) -> Result<Reservation, BindError> {
+        let mut node = self.node_state(node_name).await?;
+        for r in self.other_replicas_binds(&node) {
+            ledger::subtract(&mut node, &r);
+        }
+        let (config, cache) = (&self.config, &self.policy_cache);
+        let mix = self.workload.current();
+        let r = self.ledger.reserve(&mut node, |n| {
+            decide::check(n, d)
+                .map_err(|r| BindError::DoesNotFit(format!("node {}: {}", n.name, r.reason)))?;
+            // The view prioritize used: the GPU(s) its score was for.
+            let scored = decide::prioritize(&[Arc::new(n.clone())], d, config, cache, &mix);
+            let gpus = scored
+                .into_iter()
+                .flatten()
+                .next()
+                .map(|s| s.gpus)
+                .unwrap_or_default();
+            if gpus.is_empty() {
+                return Err(BindError::DoesNotFit(format!("node {}: no GPU chosen", n.name)));
+            }
+            Ok(Reservation {
+                pod: d.key.clone(),
+                gpus: gpus.iter().map(|p| (p, n.gpus()[p].uuid.clone())).collect(),
+                mib: match d.demand {
+                    state::Demand::Memory { .. } => Some(d.memory_mib(n.unit_mib)),
+                    state::Demand::Whole { .. } => None,
+                },
+                at: Instant::now(),
+            })
+        });
+        // Decided: the pod counts in the learned mix from the next decision on.
+        self.workload.observe(d, d.memory_mib(node.unit_mib));
+        r
+    }
+
     async fn bind_inner(&self, args: &ExtenderBindingArgs) -> Result<(), BindError> {
         let client = self.client.clone().ok_or(BindError::NoClient)?;
         let namespace = check_binding_args(args).map_err(BindError::BadRequest)?;
-        let pods: Api<Pod> = Api::namespaced(client, namespace);
-        // From the API server's watch cache (resourceVersion 0), not a quorum read from etcd: kube-scheduler
-        // saw the pod through the same cache, and the Binding itself is refused for a pod being deleted.
-        let pod = pods
-            .get_with(&args.pod_name, &GetParams::any())
-            .await
-            .map_err(BindError::api(format!(
-                "reading pod {namespace}/{}",
-                args.pod_name
-            )))?;
-        self.check_bindable(&pod, args, namespace)?;
-        let demand = state::pod_demand(&pod, &self.rules).map_err(BindError::BadPod)?;
-        let mut reserved: Option<Reservation> = None;
-        if let Some(d) = &demand {
-            let mut node = self.node_state(&args.node).await?;
-            for r in self.other_replicas_binds(&node) {
-                ledger::subtract(&mut node, &r);
-            }
-            let (config, cache) = (&self.config, &self.policy_cache);
-            let mix = self.workload.current();
-            let r = self.ledger.reserve(&mut node, |n| {
-                decide::check(n, d)
-                    .map_err(|r| BindError::DoesNotFit(format!("node {}: {}", n.name, r.reason)))?;
-                // The view prioritize used: the GPU(s) its score was for.
-                let scored = decide::prioritize(&[Arc::new(n.clone())], d, config, cache, &mix);
-                let gpus = scored
-                    .into_iter()
-                    .flatten()
-                    .next()
-                    .map(|s| s.gpus)
-                    .unwrap_or_default();
-                if gpus.is_empty() {
-                    return Err(BindError::DoesNotFit(format!("node {}: no GPU chosen", n.name)));
-                }
-                Ok(Reservation {
-                    pod: d.key.clone(),
-                    gpus: gpus.iter().map(|p| (p, n.gpus()[p].uuid.clone())).collect(),
-                    mib: match d.demand {
-                        state::Demand::Memory { .. } => Some(d.memory_mib(n.unit_mib)),
-                        state::Demand::Whole { .. } => None,
-                    },
-                    at: Instant::now(),
-                })
-            });
-            // Decided: the pod counts in the learned mix from the next decision on.
-            self.workload.observe(d, d.memory_mib(node.unit_mib));
-            reserved = Some(r?);
-        }
-        // The GPU choice travels in the Binding: the API server copies its annotations onto the pod in the
-        // same update that sets the node, so no one sees the pod bound without them (and it costs one
-        // write, not two).
-        let annotations = reserved.as_ref().map(|r| {
-            let uuids: Vec<&str> = r.gpus.iter().map(|(_, u)| u.as_str()).collect();
-            BTreeMap::from([
-                (ASSIGNED_GPUS_ANNOTATION.to_string(), uuids.join(",")),
-                (
-                    ASSIGNED_AT_ANNOTATION.to_string(),
-                    k8s_openapi::jiff::Timestamp::now().to_string(),
-                ),
-            ])
-        });
+        // kube-scheduler starts the next pod's cycle while this bind is on its way: reserving before
+        // reading the pod from the API server keeps the next `filter` from offering the same room. The
+        // request is the one `filter` read from this pod (same UID; a pod's requests do not change).
+        let mut reserved = match self.filtered.take(&args.pod_uid) {
+            Some(d) => Some(self.reserve(&d, &args.node).await?),
+            None => None,
+        };
         let outcome = async {
+            let pods: Api<Pod> = Api::namespaced(client, namespace);
+            // From the API server's watch cache (resourceVersion 0), not a quorum read from etcd:
+            // kube-scheduler saw the pod through the same cache, and the Binding itself is refused for
+            // a pod being deleted.
+            let pod = pods
+                .get_with(&args.pod_name, &GetParams::any())
+                .await
+                .map_err(BindError::api(format!(
+                    "reading pod {namespace}/{}",
+                    args.pod_name
+                )))?;
+            self.check_bindable(&pod, args, namespace)?;
+            if reserved.is_none()
+                && let Some(d) = state::pod_demand(&pod, &self.rules).map_err(BindError::BadPod)?
+            {
+                reserved = Some(self.reserve(&d, &args.node).await?);
+            }
+            // The GPU choice travels in the Binding: the API server copies its annotations onto the pod
+            // in the same update that sets the node, so no one sees the pod bound without them (and it
+            // costs one write, not two).
+            let annotations = reserved.as_ref().map(|r| {
+                let uuids: Vec<&str> = r.gpus.iter().map(|(_, u)| u.as_str()).collect();
+                BTreeMap::from([
+                    (ASSIGNED_GPUS_ANNOTATION.to_string(), uuids.join(",")),
+                    (
+                        ASSIGNED_AT_ANNOTATION.to_string(),
+                        k8s_openapi::jiff::Timestamp::now().to_string(),
+                    ),
+                ])
+            });
             let binding = Binding {
                 metadata: ObjectMeta {
                     name: Some(args.pod_name.clone()),
@@ -297,6 +310,48 @@ impl Scorer {
         outcome
     }
 }
+
+/// The GPU requests of the pods `filter` was asked about, by UID, for their `bind` (a bounded number;
+/// the oldest are forgotten first, and `bind` then reads the request from the API server first).
+#[derive(Default)]
+pub(super) struct Filtered {
+    inner: std::sync::Mutex<FilteredPods>,
+}
+
+/// Requests by UID, and the UIDs oldest first.
+type FilteredPods = (HashMap<String, Arc<PodDemand>>, VecDeque<String>);
+
+/// Pods remembered by [`Filtered`]: far more than kube-scheduler has between a filter and its bind.
+const FILTERED_PODS: usize = 4096;
+
+impl Filtered {
+    pub(super) fn remember(&self, d: &PodDemand) {
+        if d.uid.is_empty() {
+            return;
+        }
+        let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let (by_uid, order) = &mut *inner;
+        if by_uid.insert(d.uid.clone(), Arc::new(d.clone())).is_none() {
+            order.push_back(d.uid.clone());
+        }
+        while order.len() > FILTERED_PODS {
+            if let Some(oldest) = order.pop_front() {
+                by_uid.remove(&oldest);
+            }
+        }
+    }
+
+    pub(super) fn take(&self, uid: &str) -> Option<Arc<PodDemand>> {
+        let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let (by_uid, order) = &mut *inner;
+        let d = by_uid.remove(uid)?;
+        if let Some(at) = order.iter().position(|u| u == uid) {
+            order.remove(at);
+        }
+        Some(d)
+    }
+}
+
 /// What `bind` needs before it touches the API server: the names kube-scheduler sends are valid
 /// Kubernetes names (so none can reach another API path), and the UID it always sends is there.
 /// Returns the namespace.

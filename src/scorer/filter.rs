@@ -49,6 +49,7 @@ impl Scorer {
             }
             Ok(None) => {}
             Ok(Some(d)) => {
+                self.filtered.remember(&d);
                 for (i, s) in states.iter().enumerate() {
                     if let Err(r) = decide::check(s, &d) {
                         reject(i, r, &mut result);

@@ -71,6 +71,8 @@ pub struct Scorer {
     gauges_at: Mutex<Option<Instant>>,
     /// What the last few `filter` calls kept (see [`Kept`]).
     kept: Mutex<Vec<Kept>>,
+    /// The requests of the pods `filter` saw, for their `bind`.
+    filtered: bind::Filtered,
 }
 
 /// The nodes a `filter` call kept, in the `NodeNames` form. kube-scheduler sends `prioritize` exactly the
@@ -116,6 +118,7 @@ impl Scorer {
             last_nodes: Mutex::new(Vec::new()),
             gauges_at: Mutex::new(None),
             kept: Mutex::new(Vec::new()),
+            filtered: bind::Filtered::default(),
         }
     }
 
