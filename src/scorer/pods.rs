@@ -41,14 +41,20 @@ pub struct PodRecord {
 impl PodRecord {
     /// The record of a pod; `None` when it is not bound to a node or has no UID.
     pub fn from_pod(pod: &Pod) -> Option<PodRecord> {
-        let meta = &pod.metadata;
-        let uid = meta.uid.as_deref().filter(|u| !u.is_empty())?;
         let node = pod
             .spec
             .as_ref()?
             .node_name
             .as_deref()
             .filter(|n| !n.is_empty())?;
+        PodRecord::on_node(pod, node)
+    }
+
+    /// The record of a pod on `node` (kube-scheduler's preemption victims come by node); `None` without
+    /// a UID.
+    pub fn on_node(pod: &Pod, node: &str) -> Option<PodRecord> {
+        let meta = &pod.metadata;
+        let uid = meta.uid.as_deref().filter(|u| !u.is_empty())?;
         let namespace = meta.namespace.as_deref().unwrap_or("default");
         // The class is not read here: an empty rule set is enough for the request's size.
         let rules = ClassRules {

@@ -51,7 +51,7 @@ impl Scorer {
                 let pods = v
                     .pods
                     .iter()
-                    .map(|p| PodRecord::from_pod(p).map(Arc::new))
+                    .map(|p| PodRecord::on_node(p, &node).map(Arc::new))
                     .collect();
                 proposed.insert(node, (pods, uids, v.num_pdb_violations));
             }
