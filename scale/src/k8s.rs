@@ -150,6 +150,15 @@ pub async fn create_node(client: &Client, name: &str, model: &NodeModel) -> anyh
         )
         .await
         .with_context(|| format!("setting node {name}'s status"))?;
+    // The NodeTaint admission plugin puts node.kubernetes.io/not-ready on every new Node; the node
+    // lifecycle controller removes it once the node is Ready, but through kube-controller-manager's
+    // client limit (20 qps in 1.24, with other writes: ~5 nodes/s here, minutes for 1000 nodes). A
+    // kubelet joins with the node Ready soon after; the tool does what the controller would do.
+    let taints = json!({"spec": {"taints": [{"key": SCALE_KEY, "value": "true", "effect": "NoSchedule"}]}});
+    nodes
+        .patch(name, &PatchParams::default(), &Patch::Merge(&taints))
+        .await
+        .with_context(|| format!("removing the not-ready taint of {name}"))?;
     let leases: Api<Lease> = Api::namespaced(client.clone(), LEASE_NAMESPACE);
     let lease: Lease = serde_json::from_value(json!({
         "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",

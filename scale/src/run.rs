@@ -676,16 +676,23 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     .await?;
     let all_names = Arc::new(names.clone());
     tokio::spawn(k8s::renew_leases(client.clone(), all_names));
-    let deadline = Instant::now() + Duration::from_secs(180);
+    let deadline = Instant::now() + Duration::from_secs(300);
     loop {
         let ready = k8s::ready_nodes(&client).await?;
         if ready >= args.nodes {
             break;
         }
         if Instant::now() > deadline {
-            bail!("only {ready} of {} scale nodes Ready after 180 s", args.nodes);
+            bail!(
+                "only {ready} of {} scale nodes Ready (and untainted) after 300 s",
+                args.nodes
+            );
         }
-        tokio::time::sleep(Duration::from_secs(2)).await;
+        eprintln!(
+            "[{:>6.1}s] scale nodes Ready and untainted: {ready}",
+            started.elapsed().as_secs_f64()
+        );
+        tokio::time::sleep(Duration::from_secs(3)).await;
     }
     let extra = k8s::all_node_names(&client).await?.len();
     if extra != args.nodes {
