@@ -1,8 +1,9 @@
 //! The API objects: the scale nodes (as the agent and the kubelet would show them), their Leases, the
 //! pods, and the played agent's writes.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use anyhow::Context as _;
@@ -189,28 +190,80 @@ async fn renew_lease(leases: &Api<Lease>, name: &str) -> anyhow::Result<()> {
 }
 
 /// Renews every node's Lease each [`LEASE_RENEW`] (the node lifecycle controller counts a renewed
-/// Lease as the kubelet's heartbeat), until the process ends.
-pub async fn renew_leases(client: Client, names: Arc<Vec<String>>) {
+/// Lease as the kubelet's heartbeat), until the process ends. As 1000 kubelets would: each node on
+/// its own schedule, spread over the period, every renewal its own request (a round of 1000
+/// renewals behind a few connections falls more than the Lease's 40 s behind once the API server is
+/// saturated, and the node goes NotReady). `client` should be this loop's own (its own connections).
+pub async fn renew_leases(client: Client, names: Arc<Vec<String>>, failures: Arc<AtomicU64>) {
+    if names.is_empty() {
+        return;
+    }
     let leases: Api<Lease> = Api::namespaced(client, LEASE_NAMESPACE);
-    let mut tick = tokio::time::interval(LEASE_RENEW);
+    let mut tick = tokio::time::interval(LEASE_RENEW / names.len() as u32);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
+    for i in (0..names.len()).cycle() {
+        tick.tick().await;
+        let (leases, name, failures) = (leases.clone(), names[i].clone(), failures.clone());
+        tokio::spawn(async move {
+            if let Err(err) = renew_lease(&leases, &name).await {
+                failures.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(error = %format!("{err:#}"), "Lease renewal failed");
+            }
+        });
+    }
+}
+
+/// Plays the kubelet's status sync: a kubelet posts its node's status again when it differs from
+/// what it computes, so a node the node lifecycle controller marked NotReady (a late Lease) is Ready
+/// again within seconds. Every `period`, each scale node whose Ready condition is not True gets its
+/// status posted again; returns never. `reposted` counts them.
+pub async fn repair_status(
+    client: Client,
+    models: Arc<HashMap<String, Arc<NodeModel>>>,
+    period: Duration,
+    reposted: Arc<AtomicU64>,
+) {
+    let nodes: Api<Node> = Api::all(client);
+    let mut tick = tokio::time::interval(period);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
-        let renewals: Vec<_> = names
-            .iter()
-            .cloned()
-            .map(|n| {
-                let leases = leases.clone();
-                async move { renew_lease(&leases, &n).await.is_err() }
-            })
-            .collect();
-        let results: Vec<bool> = futures_util::stream::iter(renewals)
-            .buffer_unordered(16)
-            .collect()
-            .await;
-        let failed = results.into_iter().filter(|f| *f).count();
-        if failed > 0 {
-            tracing::warn!(failed, "some Lease renewals failed");
+        let list = match nodes
+            .list(&ListParams::default().labels(&format!("{SCALE_KEY}=true")))
+            .await
+        {
+            Ok(l) => l,
+            Err(err) => {
+                tracing::warn!(error = %err, "cannot list the scale nodes");
+                continue;
+            }
+        };
+        for node in list.items {
+            let Some(name) = node.metadata.name.as_deref() else {
+                continue;
+            };
+            let ready = node
+                .status
+                .as_ref()
+                .and_then(|s| s.conditions.as_ref())
+                .is_some_and(|c| c.iter().any(|c| c.type_ == "Ready" && c.status == "True"));
+            let Some(model) = models.get(name).filter(|_| !ready) else {
+                continue;
+            };
+            match nodes
+                .patch_status(
+                    name,
+                    &PatchParams::default(),
+                    &Patch::Merge(&status_patch(name, model)),
+                )
+                .await
+            {
+                Ok(_) => {
+                    reposted.fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(node = name, "node was not Ready: its status is posted again");
+                }
+                Err(err) => tracing::warn!(node = name, error = %err, "cannot post the node's status"),
+            }
         }
     }
 }

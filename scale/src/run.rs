@@ -487,6 +487,9 @@ pub struct Summary {
     pub usage_writes: u64,
     pub usage_write_errors: u64,
     pub nodes_ready: Vec<(f64, usize)>,
+    pub lease_renewal_failures: u64,
+    /// Times a scale node was found not Ready and its status posted again (as its kubelet would).
+    pub node_status_reposted: u64,
 }
 
 fn summarize(
@@ -675,7 +678,27 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     })
     .await?;
     let all_names = Arc::new(names.clone());
-    tokio::spawn(k8s::renew_leases(client.clone(), all_names));
+    let lease_client = Client::try_default()
+        .await
+        .context("no Kubernetes client configuration (KUBECONFIG)")?;
+    let lease_failures = Arc::new(AtomicU64::new(0));
+    tokio::spawn(k8s::renew_leases(
+        lease_client.clone(),
+        all_names,
+        lease_failures.clone(),
+    ));
+    let by_name: HashMap<String, Arc<NodeModel>> = names
+        .iter()
+        .zip(&assignment)
+        .map(|(n, &m)| (n.clone(), models[m].clone()))
+        .collect();
+    let reposted = Arc::new(AtomicU64::new(0));
+    tokio::spawn(k8s::repair_status(
+        lease_client,
+        Arc::new(by_name),
+        Duration::from_secs(10),
+        reposted.clone(),
+    ));
     let deadline = Instant::now() + Duration::from_secs(300);
     loop {
         let ready = k8s::ready_nodes(&client).await?;
@@ -829,6 +852,8 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         usage_writes: world.published.load(Ordering::Relaxed),
         usage_write_errors: world.publish_errors.load(Ordering::Relaxed),
         nodes_ready: ready_log,
+        lease_renewal_failures: lease_failures.load(Ordering::Relaxed),
+        node_status_reposted: reposted.load(Ordering::Relaxed),
     };
     let path = args.out.join("summary.json");
     std::fs::write(&path, serde_json::to_string_pretty(&summary)? + "\n")
@@ -949,8 +974,13 @@ pub fn render(s: &Summary) -> String {
     }
     let _ = writeln!(
         out,
-        "\ndeletes (s): {:?}; usage writes {} ({} errors); scale nodes Ready (t s, count): {:?}",
-        s.deletes_s, s.usage_writes, s.usage_write_errors, s.nodes_ready
+        "\ndeletes (s): {:?}; usage writes {} ({} errors); scale nodes Ready (t s, count): {:?}; Lease renewals failed {}; node status posted again (not Ready) {}",
+        s.deletes_s,
+        s.usage_writes,
+        s.usage_write_errors,
+        s.nodes_ready,
+        s.lease_renewal_failures,
+        s.node_status_reposted
     );
     out
 }
