@@ -49,10 +49,12 @@ pub fn phase_latencies(dir: &Path, phase: &str) -> anyhow::Result<Vec<f64>> {
             .with_context(|| format!("{}: no column {name}", path.display()))
     };
     let (phase_col, lat_col) = (col("phase")?, col("latency_ms")?);
+    // Bindings seen after the phase ended (while its pods were deleted) are not the phase's.
+    let late_col = headers.iter().position(|h| h == "bound_after_phase");
     let mut out = Vec::new();
     for record in reader.records() {
         let record = record.with_context(|| format!("reading {}", path.display()))?;
-        if record.get(phase_col) != Some(phase) {
+        if record.get(phase_col) != Some(phase) || late_col.and_then(|c| record.get(c)) == Some("true") {
             continue;
         }
         match record.get(lat_col).unwrap_or("") {
@@ -267,6 +269,22 @@ pub fn table(args: &TableArgs) -> anyhow::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn latencies_of_a_phase_leave_out_late_and_unbound_pods() {
+        let dir = std::env::temp_dir().join(format!("gpumem-scale-chart-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(
+            dir.join("pods.csv"),
+            "phase,pod,latency_ms,bound_after_phase\nsteady,a,12.5,false\nsteady,b,,false\nsteady,c,900000,true\nburst,d,7,false\n",
+        )
+        .unwrap();
+        assert_eq!(phase_latencies(&dir, "steady").unwrap(), vec![12.5]);
+        assert_eq!(phase_latencies(&dir, "burst").unwrap(), vec![7.0]);
+        std::fs::write(dir.join("pods.csv"), "phase,latency_ms\nsteady,x\n").unwrap();
+        assert!(phase_latencies(&dir, "steady").is_err());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 
     #[test]
     fn a_row_per_summary() {

@@ -4,7 +4,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::fmt::Write as _;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -137,6 +137,8 @@ struct Rec {
     followed: bool,
     error: Option<String>,
     gone: bool,
+    /// Bound after its phase ended (while its phase's pods were being deleted): not in the phase's results.
+    late: bool,
 }
 
 #[derive(Default)]
@@ -164,6 +166,8 @@ struct World {
     published: AtomicU64,
     publish_errors: AtomicU64,
     current: Mutex<Option<usize>>,
+    /// Phases whose results are taken.
+    closed: [AtomicBool; 3],
     meter: Mutex<Option<PhaseMeter>>,
 }
 
@@ -195,6 +199,7 @@ impl World {
         {
             let now = Instant::now();
             rec.t1 = Some(now);
+            rec.late = self.closed[rec.phase].load(Ordering::Relaxed);
             counters.bound.fetch_add(1, Ordering::Relaxed);
             *lock(&self.last_bind) = Some(now);
             let assigned = pod
@@ -350,6 +355,7 @@ async fn create_one(world: &World, pods: &Api<Pod>, phase: usize, name: String, 
             followed: false,
             error: None,
             gone: false,
+            late: false,
         },
     );
     let counters = &world.counters[phase];
@@ -503,7 +509,11 @@ fn summarize(
     let pods = lock(&world.pods);
     let recs: Vec<&Rec> = pods.values().filter(|r| r.phase == phase).collect();
     let c = &world.counters[phase];
-    let placed: Vec<&Rec> = recs.iter().copied().filter(|r| r.t1.is_some()).collect();
+    let placed: Vec<&Rec> = recs
+        .iter()
+        .copied()
+        .filter(|r| r.t1.is_some() && !r.late)
+        .collect();
     let latency_ms = |r: &Rec| r.t1.map(|t1| (t1 - r.t0).as_secs_f64() * 1000.0);
     let all: Vec<f64> = placed.iter().filter_map(|r| latency_ms(r)).collect();
     let mut by_kind = BTreeMap::new();
@@ -544,10 +554,12 @@ fn summarize(
         created,
         create_errors: c.errors.load(Ordering::Relaxed),
         placed: placed.len(),
-        fraction_placed: if created > 0 {
-            placed.len() as f64 / created as f64
-        } else {
+        // Of the pods whose create was sent: a create that failed (a timeout) may still have
+        // made the pod, which then counts as placed.
+        fraction_placed: if recs.is_empty() {
             0.0
+        } else {
+            placed.len() as f64 / recs.len() as f64
         },
         unplaced: recs.len() - placed.len(),
         misfits,
@@ -654,6 +666,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         published: AtomicU64::new(0),
         publish_errors: AtomicU64::new(0),
         current: Mutex::new(None),
+        closed: Default::default(),
         meter: Mutex::new(None),
     });
 
@@ -778,6 +791,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
             procs,
             ready,
         ));
+        world.closed[0].store(true, Ordering::Relaxed);
         deletes.insert("steady".to_string(), delete_phase(&world, &pods, 0).await?);
     }
     // c. burst
@@ -798,6 +812,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
             procs,
             ready,
         ));
+        world.closed[1].store(true, Ordering::Relaxed);
         deletes.insert("burst".to_string(), delete_phase(&world, &pods, 1).await?);
     }
     // e. fill: left bound
@@ -820,6 +835,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
             procs,
             ready,
         ));
+        world.closed[2].store(true, Ordering::Relaxed);
     }
     *lock(&world.current) = None;
 
@@ -899,6 +915,7 @@ fn write_pods_csv(world: &World, path: &std::path::Path) -> anyhow::Result<()> {
         "latency_ms",
         "misfit",
         "followed_scorer",
+        "bound_after_phase",
         "error",
     ])?;
     for (name, r) in rows {
@@ -916,6 +933,7 @@ fn write_pods_csv(world: &World, path: &std::path::Path) -> anyhow::Result<()> {
                 .unwrap_or_default(),
             r.misfit.to_string(),
             r.followed.to_string(),
+            r.late.to_string(),
             r.error.clone().unwrap_or_default(),
         ])?;
     }
