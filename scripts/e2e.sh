@@ -127,40 +127,6 @@ stop_claims() {
   return $status
 }
 
-# service_account_kubeconfig NAME FILE: a kubeconfig with a token of gpumem-system/NAME.
-service_account_kubeconfig() {
-  local token
-  token=$(k -n gpumem-system create token "$1" --duration=2h) || return 1
-  cat > "$2" <<EOF
-apiVersion: v1
-kind: Config
-clusters:
-  - name: kit
-    cluster: {server: "https://127.0.0.1:6443", certificate-authority: "$K8S_STATE/certs/ca.crt"}
-users:
-  - name: $1
-    user: {token: "$token"}
-contexts:
-  - name: $1
-    context: {cluster: kit, user: $1, namespace: gpumem-system}
-current-context: $1
-EOF
-}
-
-# scheduler_config: the project's configuration for the default scheduler (v1beta3: the kit is 1.24),
-# with what differs on this machine: the kubeconfig, no leader election, the scorer's local address,
-# the directory of the certificates (its tlsConfig, serverName included, is the shipped one).
-scheduler_config() {
-  sed -e 's|^  kubeconfig: .*|  kubeconfig: ${K8S_STATE}/admin.kubeconfig|' \
-    -e 's|^  leaderElect: true|  leaderElect: false|' \
-    -e "s|^  - urlPrefix: https://.*|  - urlPrefix: https://$SCORER_TLS_ADDR|" \
-    -e "s|: /etc/kubernetes/gpumem/|: $CERTS/|" \
-    "$ROOT/deploy/manifests/default-scheduler/kube-scheduler-config.v1beta3.yaml" > "$RUN_OUT/scheduler.yaml"
-  grep -q "urlPrefix: https://$SCORER_TLS_ADDR" "$RUN_OUT/scheduler.yaml" &&
-    [ "$(grep -c ": $CERTS/" "$RUN_OUT/scheduler.yaml")" == 3 ] &&
-    grep -q 'leaderElect: false' "$RUN_OUT/scheduler.yaml"
-}
-
 # fake_node_patch PROFILE: labels and annotations an agent publishes for PROFILE (its own code writes them).
 fake_node_patch() {
   "$BIN/gpumem" inspect --profile "$1" --output json | python3 -c '

@@ -1,5 +1,6 @@
 # Helpers of the end-to-end suite (sourced by scripts/e2e.sh): assertions, kubectl, pods, the node's
-# annotations. Everything is read the way a user would read it: kubectl, JSON paths, events.
+# annotations. Everything is read the way a user would read it: kubectl, JSON paths, events. The
+# cluster setup at the end is shared with scripts/scale.sh.
 
 # --- results ------------------------------------------------------------------------------------
 
@@ -162,4 +163,40 @@ node_idle() { [ "$(gpu_query "$1" "sum(u['allocatedMiB'] for u in usage) + sum(u
 # No GPU holds more than it has.
 node_within_capacity() {
   [ "$(gpu_query "$1" "all(u['allocatedMiB'] <= [g['memoryMiB'] for g in topo if g['index'] == u['index']][0] for u in usage)")" == True ]
+}
+
+# --- cluster setup (scripts/e2e.sh, scripts/scale.sh) ---------------------------------------------
+
+# service_account_kubeconfig NAME FILE: a kubeconfig with a token of gpumem-system/NAME.
+service_account_kubeconfig() {
+  local token
+  token=$(k -n gpumem-system create token "$1" --duration=2h) || return 1
+  cat > "$2" <<EOF
+apiVersion: v1
+kind: Config
+clusters:
+  - name: kit
+    cluster: {server: "https://127.0.0.1:6443", certificate-authority: "$K8S_STATE/certs/ca.crt"}
+users:
+  - name: $1
+    user: {token: "$token"}
+contexts:
+  - name: $1
+    context: {cluster: kit, user: $1, namespace: gpumem-system}
+current-context: $1
+EOF
+}
+
+# scheduler_config: the project's configuration for the default scheduler (v1beta3: the kit is 1.24),
+# with what differs on this machine: the kubeconfig, no leader election, the scorer's local address,
+# the directory of the certificates (its tlsConfig, serverName included, is the shipped one).
+scheduler_config() {
+  sed -e 's|^  kubeconfig: .*|  kubeconfig: ${K8S_STATE}/admin.kubeconfig|' \
+    -e 's|^  leaderElect: true|  leaderElect: false|' \
+    -e "s|^  - urlPrefix: https://.*|  - urlPrefix: https://$SCORER_TLS_ADDR|" \
+    -e "s|: /etc/kubernetes/gpumem/|: $CERTS/|" \
+    "$ROOT/deploy/manifests/default-scheduler/kube-scheduler-config.v1beta3.yaml" > "$RUN_OUT/scheduler.yaml"
+  grep -q "urlPrefix: https://$SCORER_TLS_ADDR" "$RUN_OUT/scheduler.yaml" &&
+    [ "$(grep -c ": $CERTS/" "$RUN_OUT/scheduler.yaml")" == 3 ] &&
+    grep -q 'leaderElect: false' "$RUN_OUT/scheduler.yaml"
 }

@@ -1,0 +1,303 @@
+//! `gpumem-scale chart` and `gpumem-scale table`: the results of two runs (extender, alone) as one SVG
+//! and as markdown rows.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context as _, bail};
+use clap::Args;
+use serde_json::Value;
+
+use crate::stats;
+
+#[derive(Args, Debug)]
+pub struct ChartArgs {
+    /// Results of the run with the extender.
+    #[arg(long)]
+    pub extender: PathBuf,
+    /// Results of the run with kube-scheduler alone.
+    #[arg(long)]
+    pub alone: PathBuf,
+    #[arg(long, default_value = "docs/scale.svg")]
+    pub out: PathBuf,
+}
+
+#[derive(Args, Debug)]
+pub struct TableArgs {
+    /// Results directories (each with summary.json).
+    #[arg(required = true)]
+    pub dirs: Vec<PathBuf>,
+}
+
+fn read_summary(dir: &Path) -> anyhow::Result<Value> {
+    let path = dir.join("summary.json");
+    let text = std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+    serde_json::from_str(&text).with_context(|| format!("{} is not JSON", path.display()))
+}
+
+/// The latencies (ms) of one phase's placed pods, from pods.csv.
+pub fn phase_latencies(dir: &Path, phase: &str) -> anyhow::Result<Vec<f64>> {
+    let path = dir.join("pods.csv");
+    let mut reader = csv::Reader::from_path(&path).with_context(|| format!("reading {}", path.display()))?;
+    let headers = reader
+        .headers()
+        .with_context(|| format!("{}: no header", path.display()))?
+        .clone();
+    let col = |name: &str| {
+        headers
+            .iter()
+            .position(|h| h == name)
+            .with_context(|| format!("{}: no column {name}", path.display()))
+    };
+    let (phase_col, lat_col) = (col("phase")?, col("latency_ms")?);
+    // Bindings seen after the phase ended (while its pods were deleted) are not the phase's.
+    let late_col = headers.iter().position(|h| h == "bound_after_phase");
+    let mut out = Vec::new();
+    for record in reader.records() {
+        let record = record.with_context(|| format!("reading {}", path.display()))?;
+        if record.get(phase_col) != Some(phase) || late_col.and_then(|c| record.get(c)) == Some("true") {
+            continue;
+        }
+        match record.get(lat_col).unwrap_or("") {
+            "" => {}
+            text => out.push(
+                text.parse::<f64>()
+                    .with_context(|| format!("{}: latency {text:?}", path.display()))?,
+            ),
+        }
+    }
+    Ok(out)
+}
+
+fn phase<'a>(summary: &'a Value, name: &str) -> Option<&'a Value> {
+    summary["phases"].as_array()?.iter().find(|p| p["phase"] == name)
+}
+
+fn per_second(summary: &Value, name: &str) -> Vec<u64> {
+    phase(summary, name)
+        .and_then(|p| p["bound_per_second"].as_array())
+        .map(|a| a.iter().filter_map(Value::as_u64).collect())
+        .unwrap_or_default()
+}
+
+pub fn chart(args: &ChartArgs) -> anyhow::Result<()> {
+    use plotters::prelude::*;
+
+    let runs = [
+        ("extender", &args.extender),
+        ("kube-scheduler alone", &args.alone),
+    ];
+    let mut cdfs = Vec::new();
+    let mut rates = Vec::new();
+    let mut nodes = 0;
+    for (label, dir) in runs {
+        let summary = read_summary(dir)?;
+        nodes = summary["nodes"].as_u64().unwrap_or(0);
+        let lat = phase_latencies(dir, "steady")?;
+        if lat.is_empty() {
+            bail!("{}: no placed pod in the steady phase", dir.display());
+        }
+        cdfs.push((label, stats::cdf(&lat, 400)));
+        let series: Vec<(f64, f64)> = per_second(&summary, "burst")
+            .into_iter()
+            .enumerate()
+            .map(|(s, n)| (s as f64 + 0.5, n as f64))
+            .collect();
+        rates.push((label, series));
+    }
+    let err = |e: &dyn std::fmt::Display| anyhow::anyhow!("chart {}: {e}", args.out.display());
+    if let Some(parent) = args.out.parent().filter(|p| !p.as_os_str().is_empty()) {
+        std::fs::create_dir_all(parent).with_context(|| format!("creating {}", parent.display()))?;
+    }
+    let root = SVGBackend::new(&args.out, (1200, 520)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| err(&e))?;
+    let (left, right) = root.split_horizontally(600);
+
+    let x_min = cdfs
+        .iter()
+        .flat_map(|(_, c)| c.iter().map(|p| p.0))
+        .fold(f64::INFINITY, f64::min)
+        .max(0.1)
+        * 0.8;
+    let x_max = cdfs
+        .iter()
+        .flat_map(|(_, c)| c.iter().map(|p| p.0))
+        .fold(1.0f64, f64::max)
+        * 1.25;
+    let mut chart = ChartBuilder::on(&left)
+        .caption(
+            format!("Creation to bound, steady phase ({nodes} nodes)"),
+            ("sans-serif", 18),
+        )
+        .margin(12)
+        .x_label_area_size(40)
+        .y_label_area_size(50)
+        .build_cartesian_2d((x_min..x_max).log_scale(), 0.0..1.0)
+        .map_err(|e| err(&e))?;
+    chart
+        .configure_mesh()
+        .x_desc("latency (ms, log scale)")
+        .y_desc("fraction of placed pods")
+        .draw()
+        .map_err(|e| err(&e))?;
+    for (i, (label, pts)) in cdfs.into_iter().enumerate() {
+        let color = Palette99::pick(i).to_rgba();
+        chart
+            .draw_series(LineSeries::new(pts, color.stroke_width(2)))
+            .map_err(|e| err(&e))?
+            .label(label)
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2)));
+    }
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::LowerRight)
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .draw()
+        .map_err(|e| err(&e))?;
+
+    let t_max = rates
+        .iter()
+        .flat_map(|(_, r)| r.iter().map(|p| p.0))
+        .fold(1.0f64, f64::max)
+        + 0.5;
+    let y_max = rates
+        .iter()
+        .flat_map(|(_, r)| r.iter().map(|p| p.1))
+        .fold(1.0f64, f64::max)
+        * 1.1;
+    let mut chart = ChartBuilder::on(&right)
+        .caption("Pods bound per second, burst phase", ("sans-serif", 18))
+        .margin(12)
+        .x_label_area_size(40)
+        .y_label_area_size(50)
+        .build_cartesian_2d(0.0..t_max, 0.0..y_max)
+        .map_err(|e| err(&e))?;
+    chart
+        .configure_mesh()
+        .x_desc("seconds since the first create")
+        .y_desc("pods bound in that second")
+        .draw()
+        .map_err(|e| err(&e))?;
+    for (i, (label, pts)) in rates.into_iter().enumerate() {
+        let color = Palette99::pick(i).to_rgba();
+        chart
+            .draw_series(LineSeries::new(pts, color.stroke_width(2)))
+            .map_err(|e| err(&e))?
+            .label(label)
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2)));
+    }
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperRight)
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .draw()
+        .map_err(|e| err(&e))?;
+    root.present().map_err(|e| err(&e))?;
+    Ok(())
+}
+
+fn num(v: &Value, digits: usize) -> String {
+    v.as_f64().map_or("-".into(), |x| format!("{x:.digits$}"))
+}
+
+fn process<'a>(p: Option<&'a Value>, name: &str) -> Option<&'a Value> {
+    p?["processes"].as_array()?.iter().find(|u| u["name"] == name)
+}
+
+/// One markdown row per results directory.
+pub fn table_rows(summaries: &[Value]) -> Vec<String> {
+    let mut rows = vec![
+        "| nodes | mode | steady: created/s, bound/s | steady p50 / p95 / p99 (ms) | share / whole-1 / multi-GPU p99 (ms) | burst bound/s | burst p50 / p99 (ms) | placed (steady, burst) | misfits (burst) | CPU % of a core in the burst: apiserver, etcd, scheduler, scorer | scorer peak RSS (fill) |".to_string(),
+        "|---|---|---|---|---|---|---|---|---|---|---|".to_string(),
+    ];
+    for s in summaries {
+        let steady = phase(s, "steady");
+        let burst = phase(s, "burst");
+        let fill = phase(s, "fill");
+        let get = |p: Option<&Value>, k: &str| p.map_or(Value::Null, |p| p[k].clone());
+        let lat = |p: Option<&Value>, k: &str| p.map_or(Value::Null, |p| p["latency"][k].clone());
+        let kind_p99 = |k: &str| steady.map_or(Value::Null, |p| p["latency_by_kind"][k]["p99_ms"].clone());
+        let cpu = |name: &str| process(burst, name).map_or("-".into(), |u| num(&u["cpu_pct"], 0));
+        let rss = process(fill, "gpumem-scorer").map_or("-".to_string(), |u| {
+            format!(
+                "{} MiB at {} pods",
+                num(&u["peak_rss_mib"], 0),
+                get(fill, "placed").as_u64().unwrap_or(0)
+            )
+        });
+        rows.push(format!(
+            "| {} | {} | {} / {} | {} / {} / {} | {} / {} / {} | {} | {} / {} | {}%, {}% | {} | {}, {}, {}, {} | {} |",
+            s["nodes"],
+            s["mode"].as_str().unwrap_or("?"),
+            num(&get(steady, "created_per_s"), 0),
+            num(&get(steady, "pods_per_s"), 0),
+            num(&lat(steady, "p50_ms"), 0),
+            num(&lat(steady, "p95_ms"), 0),
+            num(&lat(steady, "p99_ms"), 0),
+            num(&kind_p99("share"), 0),
+            num(&kind_p99("whole-1"), 0),
+            num(&kind_p99("multi-gpu"), 0),
+            num(&get(burst, "pods_per_s"), 0),
+            num(&lat(burst, "p50_ms"), 0),
+            num(&lat(burst, "p99_ms"), 0),
+            num(&get(steady, "fraction_placed").as_f64().map(|x| x * 100.0).into(), 1),
+            num(&get(burst, "fraction_placed").as_f64().map(|x| x * 100.0).into(), 1),
+            get(burst, "misfits"),
+            cpu("kube-apiserver"),
+            cpu("etcd"),
+            cpu("kube-scheduler"),
+            cpu("gpumem-scorer"),
+            rss,
+        ));
+    }
+    rows
+}
+
+pub fn table(args: &TableArgs) -> anyhow::Result<()> {
+    let summaries = args
+        .dirs
+        .iter()
+        .map(|d| read_summary(d))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    for row in table_rows(&summaries) {
+        println!("{row}");
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn latencies_of_a_phase_leave_out_late_and_unbound_pods() {
+        let dir = std::env::temp_dir().join(format!("gpumem-scale-chart-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(
+            dir.join("pods.csv"),
+            "phase,pod,latency_ms,bound_after_phase\nsteady,a,12.5,false\nsteady,b,,false\nsteady,c,900000,true\nburst,d,7,false\n",
+        )
+        .unwrap();
+        assert_eq!(phase_latencies(&dir, "steady").unwrap(), vec![12.5]);
+        assert_eq!(phase_latencies(&dir, "burst").unwrap(), vec![7.0]);
+        std::fs::write(dir.join("pods.csv"), "phase,latency_ms\nsteady,x\n").unwrap();
+        assert!(phase_latencies(&dir, "steady").is_err());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_row_per_summary() {
+        let s = serde_json::json!({"nodes": 1000, "mode": "alone", "phases": [
+            {"phase": "steady", "created_per_s": 99.6, "pods_per_s": 48.2, "fraction_placed": 1.0,
+             "latency": {"p50_ms": 12.0, "p95_ms": 40.0, "p99_ms": 90.0},
+             "latency_by_kind": {"share": {"p99_ms": 80.0}}},
+            {"phase": "burst", "pods_per_s": 70.0, "misfits": 12, "fraction_placed": 0.5,
+             "latency": {"p50_ms": 100.0, "p99_ms": 900.0},
+             "processes": [{"name": "kube-scheduler", "cpu_pct": 95.2}]}]});
+        let rows = table_rows(&[s]);
+        assert_eq!(rows.len(), 3);
+        assert!(rows[2].starts_with("| 1000 | alone | 100 / 48 | 12 / 40 / 90 | 80 / - / - | 70 | 100 / 900 | 100.0%, 50.0% | 12 |"), "{}", rows[2]);
+        assert!(rows[2].contains("-, -, 95, -"), "{}", rows[2]);
+    }
+}

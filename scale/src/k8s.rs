@@ -1,0 +1,416 @@
+//! The API objects: the scale nodes (as the agent and the kubelet would show them), their Leases, the
+//! pods, and the played agent's writes.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use anyhow::Context as _;
+use futures_util::{StreamExt as _, TryStreamExt as _};
+use gpumem::node::{self, ROOM_FREED_LABEL, TopologyAnnotation, UsageAnnotation};
+use gpumem::plugin::devices::{GPU_RESOURCE, MEM_RESOURCE, units_per_gpu};
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
+use kube::api::{ListParams, Patch, PatchParams, PostParams};
+use kube::{Api, Client};
+use serde_json::json;
+
+use crate::played::NodeModel;
+use crate::trace::Size;
+
+/// The taint on the scale nodes, and the label that selects them.
+pub const SCALE_KEY: &str = "gpumem.io/scale";
+/// Pod labels: the run, and the phase.
+pub const RUN_LABEL: &str = "gpumem.io/scale-run";
+pub const PHASE_LABEL: &str = "gpumem.io/scale-phase";
+pub const LEASE_NAMESPACE: &str = "kube-node-lease";
+/// As the kubelet: a Lease of 40 s, renewed every 10 s.
+pub const LEASE_SECONDS: i32 = 40;
+pub const LEASE_RENEW: Duration = Duration::from_secs(10);
+/// The agent's field manager: the played agent owns the same fields the agent would.
+pub const AGENT_FIELD_MANAGER: &str = gpumem::agent::apiserver::FIELD_MANAGER;
+/// Memory unit of `nvidia.com/gpu-mem` (the agent's default).
+pub const MEM_UNIT_MIB: u64 = 1;
+
+pub fn node_name(i: usize) -> String {
+    format!("scale-node-{i:04}")
+}
+
+/// What the kubelet would report as capacity (= allocatable) with the agent's device plugin
+/// registered: one `nvidia.com/gpu` device per GPU, one `nvidia.com/gpu-mem` device per memory unit.
+pub fn capacity(model: &NodeModel) -> BTreeMap<String, String> {
+    let mem_units: u64 = model
+        .inventory
+        .gpus
+        .iter()
+        .map(|g| units_per_gpu(g.memory_mib, MEM_UNIT_MIB))
+        .sum();
+    BTreeMap::from([
+        ("cpu".into(), "96".into()),
+        ("memory".into(), "768Gi".into()),
+        ("pods".into(), "250".into()),
+        ("ephemeral-storage".into(), "1Ti".into()),
+        (GPU_RESOURCE.into(), model.inventory.gpus.len().to_string()),
+        (MEM_RESOURCE.into(), mem_units.to_string()),
+    ])
+}
+
+fn now_micro() -> serde_json::Value {
+    serde_json::to_value(MicroTime(k8s_openapi::jiff::Timestamp::now())).unwrap_or(json!(null))
+}
+
+fn now_time() -> serde_json::Value {
+    serde_json::to_value(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+        k8s_openapi::jiff::Timestamp::now(),
+    ))
+    .unwrap_or(json!(null))
+}
+
+/// The node's status as a kubelet posts it: capacity, Ready, and the pressure conditions.
+pub fn status_patch(name: &str, model: &NodeModel) -> serde_json::Value {
+    let cap = capacity(model);
+    let now = now_time();
+    let condition = |kind: &str, status: &str, reason: &str| {
+        json!({"type": kind, "status": status, "reason": reason, "message": "gpumem-scale API-only node",
+               "lastHeartbeatTime": now, "lastTransitionTime": now})
+    };
+    json!({"status": {
+    "capacity": cap, "allocatable": cap,
+    "addresses": [{"type": "Hostname", "address": name}],
+    "nodeInfo": {"kubeletVersion": "v1.24.1", "kubeProxyVersion": "v1.24.1", "operatingSystem": "linux",
+                 "architecture": "amd64", "containerRuntimeVersion": "fake://0", "kernelVersion": "",
+                 "osImage": "gpumem-scale", "machineID": "", "systemUUID": "", "bootID": ""},
+    "conditions": [
+        condition("Ready", "True", "KubeletReady"),
+        condition("MemoryPressure", "False", "KubeletHasSufficientMemory"),
+        condition("DiskPressure", "False", "KubeletHasNoDiskPressure"),
+        condition("PIDPressure", "False", "KubeletHasSufficientPID"),
+    ]}})
+}
+
+/// The labels and annotations the agent publishes for `model` with `usage`, plus the room label
+/// when room grew.
+pub fn agent_metadata(
+    model: &NodeModel,
+    topology: &TopologyAnnotation,
+    usage: &UsageAnnotation,
+    room_freed_at: Option<u128>,
+) -> (BTreeMap<String, String>, BTreeMap<String, String>) {
+    let mut labels = node::labels(&model.inventory, MEM_UNIT_MIB);
+    if let Some(at) = room_freed_at {
+        labels.insert(ROOM_FREED_LABEL.into(), at.to_string());
+    }
+    (labels, node::annotations(topology, usage))
+}
+
+/// Writes the node's labels and annotations as the agent does: server-side apply, its field manager.
+pub async fn apply_agent_metadata(
+    nodes: &Api<Node>,
+    name: &str,
+    labels: &BTreeMap<String, String>,
+    annotations: &BTreeMap<String, String>,
+) -> kube::Result<()> {
+    let patch = json!({
+        "apiVersion": "v1", "kind": "Node",
+        "metadata": {"name": name, "labels": labels, "annotations": annotations},
+    });
+    nodes
+        .patch(
+            name,
+            &PatchParams::apply(AGENT_FIELD_MANAGER).force(),
+            &Patch::Apply(&patch),
+        )
+        .await
+        .map(drop)
+}
+
+/// Creates (or takes over) one scale node: the object with its taint, its status (Ready), its Lease,
+/// and the agent's labels and annotations (every GPU idle).
+pub async fn create_node(client: &Client, name: &str, model: &NodeModel) -> anyhow::Result<()> {
+    let nodes: Api<Node> = Api::all(client.clone());
+    let object: Node = serde_json::from_value(json!({
+        "apiVersion": "v1", "kind": "Node",
+        "metadata": {"name": name, "labels": {
+            "kubernetes.io/hostname": name, "kubernetes.io/os": "linux", "kubernetes.io/arch": "amd64",
+            SCALE_KEY: "true", "gpumem.io/scale-profile": model.profile}},
+        "spec": {"taints": [{"key": SCALE_KEY, "value": "true", "effect": "NoSchedule"}]},
+    }))
+    .context("building the Node object")?;
+    match nodes.create(&PostParams::default(), &object).await {
+        Ok(_) => {}
+        Err(kube::Error::Api(s)) if s.code == 409 => {}
+        Err(e) => return Err(e).with_context(|| format!("creating node {name}")),
+    }
+    nodes
+        .patch_status(
+            name,
+            &PatchParams::default(),
+            &Patch::Merge(&status_patch(name, model)),
+        )
+        .await
+        .with_context(|| format!("setting node {name}'s status"))?;
+    // The NodeTaint admission plugin puts node.kubernetes.io/not-ready on every new Node; the node
+    // lifecycle controller removes it once the node is Ready, but through kube-controller-manager's
+    // client limit (20 qps in 1.24, with other writes: ~5 nodes/s here, minutes for 1000 nodes). A
+    // kubelet joins with the node Ready soon after; the tool does what the controller would do.
+    let taints = json!({"spec": {"taints": [{"key": SCALE_KEY, "value": "true", "effect": "NoSchedule"}]}});
+    nodes
+        .patch(name, &PatchParams::default(), &Patch::Merge(&taints))
+        .await
+        .with_context(|| format!("removing the not-ready taint of {name}"))?;
+    let leases: Api<Lease> = Api::namespaced(client.clone(), LEASE_NAMESPACE);
+    let lease: Lease = serde_json::from_value(json!({
+        "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+        "metadata": {"name": name, "namespace": LEASE_NAMESPACE},
+        "spec": {"holderIdentity": name, "leaseDurationSeconds": LEASE_SECONDS, "renewTime": now_micro()},
+    }))
+    .context("building the Lease object")?;
+    match leases.create(&PostParams::default(), &lease).await {
+        Ok(_) => {}
+        Err(kube::Error::Api(s)) if s.code == 409 => renew_lease(&leases, name).await?,
+        Err(e) => return Err(e).with_context(|| format!("creating the Lease of {name}")),
+    }
+    let topology = TopologyAnnotation::new(&model.inventory, MEM_UNIT_MIB, |_| true);
+    let usage = UsageAnnotation::idle(&model.inventory);
+    let (labels, annotations) = agent_metadata(model, &topology, &usage, None);
+    apply_agent_metadata(&nodes, name, &labels, &annotations)
+        .await
+        .with_context(|| format!("writing the agent's labels and annotations on {name}"))
+}
+
+async fn renew_lease(leases: &Api<Lease>, name: &str) -> anyhow::Result<()> {
+    let patch = json!({"spec": {"renewTime": now_micro()}});
+    leases
+        .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+        .map(drop)
+        .with_context(|| format!("renewing the Lease of {name}"))
+}
+
+/// Renews every node's Lease each [`LEASE_RENEW`] (the node lifecycle controller counts a renewed
+/// Lease as the kubelet's heartbeat), until the process ends. As 1000 kubelets would: each node on
+/// its own schedule, spread over the period, every renewal its own request (a round of 1000
+/// renewals behind a few connections falls more than the Lease's 40 s behind once the API server is
+/// saturated, and the node goes NotReady). `client` should be this loop's own (its own connections).
+pub async fn renew_leases(client: Client, names: Arc<Vec<String>>, failures: Arc<AtomicU64>) {
+    if names.is_empty() {
+        return;
+    }
+    let leases: Api<Lease> = Api::namespaced(client, LEASE_NAMESPACE);
+    let mut tick = tokio::time::interval(LEASE_RENEW / names.len() as u32);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
+    for i in (0..names.len()).cycle() {
+        tick.tick().await;
+        let (leases, name, failures) = (leases.clone(), names[i].clone(), failures.clone());
+        tokio::spawn(async move {
+            if let Err(err) = renew_lease(&leases, &name).await {
+                failures.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(error = %format!("{err:#}"), "Lease renewal failed");
+            }
+        });
+    }
+}
+
+/// Plays the kubelet's status sync: a kubelet posts its node's status again when it differs from
+/// what it computes, so a node the node lifecycle controller marked NotReady (a late Lease) is Ready
+/// again within seconds. Every `period`, each scale node whose Ready condition is not True gets its
+/// status posted again; returns never. `reposted` counts them.
+pub async fn repair_status(
+    client: Client,
+    models: Arc<HashMap<String, Arc<NodeModel>>>,
+    period: Duration,
+    reposted: Arc<AtomicU64>,
+) {
+    let nodes: Api<Node> = Api::all(client);
+    let mut tick = tokio::time::interval(period);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let list = match nodes
+            .list(&ListParams::default().labels(&format!("{SCALE_KEY}=true")))
+            .await
+        {
+            Ok(l) => l,
+            Err(err) => {
+                tracing::warn!(error = %err, "cannot list the scale nodes");
+                continue;
+            }
+        };
+        for node in list.items {
+            let Some(name) = node.metadata.name.as_deref() else {
+                continue;
+            };
+            let ready = node
+                .status
+                .as_ref()
+                .and_then(|s| s.conditions.as_ref())
+                .is_some_and(|c| c.iter().any(|c| c.type_ == "Ready" && c.status == "True"));
+            let Some(model) = models.get(name).filter(|_| !ready) else {
+                continue;
+            };
+            match nodes
+                .patch_status(
+                    name,
+                    &PatchParams::default(),
+                    &Patch::Merge(&status_patch(name, model)),
+                )
+                .await
+            {
+                Ok(_) => {
+                    reposted.fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(node = name, "node was not Ready: its status is posted again");
+                }
+                Err(err) => tracing::warn!(node = name, error = %err, "cannot post the node's status"),
+            }
+        }
+    }
+}
+
+/// How many scale nodes are Ready and carry no not-ready/unreachable taint.
+pub async fn ready_nodes(client: &Client) -> anyhow::Result<usize> {
+    let nodes: Api<Node> = Api::all(client.clone());
+    let list = nodes
+        .list(&ListParams::default().labels(&format!("{SCALE_KEY}=true")))
+        .await
+        .context("listing the scale nodes")?;
+    Ok(list
+        .items
+        .iter()
+        .filter(|n| {
+            let ready = n
+                .status
+                .as_ref()
+                .and_then(|s| s.conditions.as_ref())
+                .is_some_and(|c| c.iter().any(|c| c.type_ == "Ready" && c.status == "True"));
+            let tainted = n.spec.as_ref().and_then(|s| s.taints.as_ref()).is_some_and(|t| {
+                t.iter().any(|t| {
+                    t.key == "node.kubernetes.io/not-ready" || t.key == "node.kubernetes.io/unreachable"
+                })
+            });
+            ready && !tainted
+        })
+        .count())
+}
+
+pub async fn ensure_namespace(client: &Client, name: &str) -> anyhow::Result<()> {
+    let namespaces: Api<Namespace> = Api::all(client.clone());
+    let ns: Namespace = serde_json::from_value(json!({"apiVersion": "v1", "kind": "Namespace",
+        "metadata": {"name": name}}))
+    .context("building the Namespace")?;
+    match namespaces.create(&PostParams::default(), &ns).await {
+        Ok(_) => Ok(()),
+        Err(kube::Error::Api(s)) if s.code == 409 => Ok(()),
+        Err(e) => Err(e).with_context(|| format!("creating namespace {name}")),
+    }
+}
+
+/// A pod asking for `size`: busybox (it never runs: no kubelet behind the scale nodes), small CPU
+/// and memory requests (the trace's would make CPU the limit, which is not what is measured), only
+/// on the scale nodes (their label, and their taint tolerated).
+pub fn pod(name: &str, run: &str, phase: &str, size: Size) -> anyhow::Result<Pod> {
+    let (resource, amount) = size.resource();
+    serde_json::from_value(json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": name, "labels": {RUN_LABEL: run, PHASE_LABEL: phase,
+                     "gpumem.io/scale-kind": size.kind().as_str()}},
+        "spec": {
+            "terminationGracePeriodSeconds": 0,
+            "nodeSelector": {SCALE_KEY: "true"},
+            "tolerations": [{"key": SCALE_KEY, "operator": "Equal", "value": "true", "effect": "NoSchedule"}],
+            "containers": [{
+                "name": "main", "image": "localhost/busybox:harness", "imagePullPolicy": "Never",
+                "command": ["sleep", "3600"],
+                "resources": {"requests": {"cpu": "100m", "memory": "128Mi"},
+                              "limits": {resource: amount.to_string()}},
+            }],
+        },
+    }))
+    .context("building the Pod object")
+}
+
+/// Lists the pods of one phase still present (after a delete).
+pub async fn count_pods(pods: &Api<Pod>, selector: &str) -> anyhow::Result<usize> {
+    let list = pods
+        .list_metadata(&ListParams::default().labels(selector))
+        .await
+        .context("listing pods")?;
+    Ok(list.items.len())
+}
+
+/// Collects every page (for the node count at start).
+pub async fn all_node_names(client: &Client) -> anyhow::Result<Vec<String>> {
+    let nodes: Api<Node> = Api::all(client.clone());
+    let list = nodes
+        .list_metadata(&ListParams::default().labels(&format!("{SCALE_KEY}=true")))
+        .await
+        .context("listing nodes")?;
+    Ok(list.items.into_iter().filter_map(|n| n.metadata.name).collect())
+}
+
+/// Runs `f` over `items` with at most `limit` in flight; the first error wins.
+pub async fn for_each_limited<T, F, Fut>(items: Vec<T>, limit: usize, f: F) -> anyhow::Result<()>
+where
+    F: Fn(T) -> Fut,
+    Fut: std::future::Future<Output = anyhow::Result<()>>,
+{
+    futures_util::stream::iter(items.into_iter().map(f))
+        .buffer_unordered(limit)
+        .try_collect::<Vec<()>>()
+        .await
+        .map(drop)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use gpumem::gpu::GpuInventory;
+    use gpumem_profile::Profile;
+
+    fn model(name: &str) -> NodeModel {
+        NodeModel::new(
+            name,
+            GpuInventory::discover(&Profile::load(name).unwrap()).unwrap(),
+        )
+    }
+
+    #[test]
+    fn capacity_as_the_device_plugin_reports_it() {
+        let m = model("dgx-a100");
+        let cap = capacity(&m);
+        assert_eq!(cap["nvidia.com/gpu"], "8");
+        assert_eq!(cap["nvidia.com/gpu-mem"], m.total_mib().to_string());
+        assert_eq!(cap["nvidia.com/gpu-mem"], (8 * 81_920).to_string());
+        let m = model("mixed");
+        assert_eq!(capacity(&m)["nvidia.com/gpu"], "4");
+    }
+
+    #[test]
+    fn pods_ask_for_their_size_only_on_scale_nodes() {
+        let p = pod("p1", "run", "steady", Size::Share { mib: 7537 }).unwrap();
+        let spec = p.spec.unwrap();
+        let limits = spec.containers[0]
+            .resources
+            .as_ref()
+            .unwrap()
+            .limits
+            .as_ref()
+            .unwrap();
+        assert_eq!(limits["nvidia.com/gpu-mem"].0, "7537");
+        assert_eq!(spec.node_selector.unwrap()[SCALE_KEY], "true");
+        assert_eq!(spec.tolerations.unwrap()[0].key.as_deref(), Some(SCALE_KEY));
+        let p = pod("p2", "run", "burst", Size::Whole { count: 8 }).unwrap();
+        assert_eq!(p.metadata.labels.unwrap()["gpumem.io/scale-kind"], "multi-gpu");
+    }
+
+    #[test]
+    fn status_is_ready_with_the_capacity() {
+        let m = model("t4x4");
+        let s = status_patch("scale-node-0001", &m);
+        assert_eq!(s["status"]["conditions"][0]["type"], "Ready");
+        assert_eq!(s["status"]["conditions"][0]["status"], "True");
+        assert_eq!(s["status"]["allocatable"]["nvidia.com/gpu"], "4");
+        assert!(s["status"]["conditions"][0]["lastHeartbeatTime"].is_string());
+    }
+}

@@ -1,0 +1,1021 @@
+//! `gpumem-scale run`: the scale nodes, the played agent, and the phases (steady, burst, fill), with
+//! latencies and the processes' CPU and memory.
+
+use std::collections::{BTreeMap, HashMap};
+use std::fmt::Write as _;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, bail};
+use clap::{Args, ValueEnum};
+use futures_util::StreamExt as _;
+use gpumem::gpu::GpuInventory;
+use gpumem::node::ASSIGNED_GPUS_ANNOTATION;
+use k8s_openapi::api::core::v1::{Node, Pod};
+use kube::api::{DeleteParams, ListParams, PostParams};
+use kube::runtime::watcher;
+use kube::{Api, Client};
+use rand::SeedableRng;
+use rand::seq::SliceRandom;
+use serde::Serialize;
+
+use crate::k8s::{self, PHASE_LABEL, RUN_LABEL};
+use crate::played::{NodeBook, NodeModel, Outcome};
+use crate::procs::{PhaseMeter, ProcessUse, Watched};
+use crate::stats::{self, Latency};
+use crate::trace::{self, Kind, Sampler, Size};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Mode {
+    /// kube-scheduler with the gpumem extender (the scorer binds).
+    Extender,
+    /// kube-scheduler alone.
+    Alone,
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct RunArgs {
+    /// Which setup the cluster runs (set up by scripts/scale.sh); it only labels the results.
+    #[arg(long, value_enum)]
+    pub mode: Mode,
+    /// API-only GPU nodes to create (scale-node-0001 ...).
+    #[arg(long, default_value_t = 1000)]
+    pub nodes: usize,
+    /// Node profiles and their share in percent.
+    #[arg(long, default_value = "t4x4=40,mixed=20,dgx-a100=20,hgx-h100=20")]
+    pub profiles: String,
+    /// The openb pod list whose GPU pods' sizes are sampled.
+    #[arg(long, default_value = "../shared/traces/openb/openb_pod_list_default.csv")]
+    pub trace: PathBuf,
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Steady phase: pods created per second.
+    #[arg(long, default_value_t = 100.0)]
+    pub rate: f64,
+    /// Steady phase: seconds of creation.
+    #[arg(long, default_value_t = 30.0)]
+    pub duration: f64,
+    /// Burst phase: pods created as fast as the API server takes them (0: no burst phase).
+    #[arg(long, default_value_t = 3000)]
+    pub burst: u64,
+    /// Creates in flight in the burst and fill phases.
+    #[arg(long, default_value_t = 32)]
+    pub concurrency: usize,
+    /// Fill phase: this many pods of --fill-mib MiB each, left bound at the end (0: none).
+    #[arg(long, default_value_t = 0)]
+    pub fill: u64,
+    #[arg(long, default_value_t = 1000)]
+    pub fill_mib: u64,
+    /// A phase ends when every pod is bound or this many seconds pass with no new binding.
+    #[arg(long, default_value_t = 20.0)]
+    pub stall: f64,
+    /// Results directory (summary.json, pods.csv).
+    #[arg(long)]
+    pub out: PathBuf,
+    /// The kit's state directory: run/<component>.pid name the processes measured.
+    #[arg(long, env = "K8S_STATE", default_value = "/tmp/gpumem-k8s")]
+    pub k8s_state: PathBuf,
+    /// The scorer's PID (extender mode), to measure it.
+    #[arg(long)]
+    pub scorer_pid: Option<u32>,
+    #[arg(long, default_value = "gpumem-scale")]
+    pub namespace: String,
+}
+
+/// The profile mix: (profile, percent).
+pub fn parse_profiles(text: &str) -> anyhow::Result<Vec<(String, f64)>> {
+    let mut out = Vec::new();
+    for part in text.split(',').filter(|p| !p.trim().is_empty()) {
+        let (name, pct) = part
+            .split_once('=')
+            .with_context(|| format!("profile mix {part:?}: expected NAME=PERCENT"))?;
+        let pct: f64 = pct
+            .trim()
+            .parse()
+            .with_context(|| format!("profile mix {part:?}: {pct:?} is not a number"))?;
+        if pct < 0.0 {
+            bail!("profile mix {part:?}: negative share");
+        }
+        out.push((name.trim().to_string(), pct));
+    }
+    if out.iter().map(|p| p.1).sum::<f64>() <= 0.0 {
+        bail!("profile mix {text:?}: no node");
+    }
+    Ok(out)
+}
+
+/// How many of `total` nodes each profile gets (largest remainder, so they add up to `total`).
+pub fn apportion(mix: &[(String, f64)], total: usize) -> Vec<usize> {
+    let sum: f64 = mix.iter().map(|p| p.1).sum();
+    let exact: Vec<f64> = mix.iter().map(|p| p.1 / sum * total as f64).collect();
+    let mut counts: Vec<usize> = exact.iter().map(|x| x.floor() as usize).collect();
+    let mut order: Vec<usize> = (0..mix.len()).collect();
+    order.sort_by(|&a, &b| (exact[b] - exact[b].floor()).total_cmp(&(exact[a] - exact[a].floor())));
+    let mut left = total - counts.iter().sum::<usize>();
+    for i in order.into_iter().cycle().take(mix.len() * 2) {
+        if left == 0 {
+            break;
+        }
+        counts[i] += 1;
+        left -= 1;
+    }
+    counts
+}
+
+/// One pod's record.
+#[derive(Debug, Clone)]
+struct Rec {
+    phase: usize,
+    size: Size,
+    t0: Instant,
+    t1: Option<Instant>,
+    node: Option<String>,
+    misfit: bool,
+    followed: bool,
+    error: Option<String>,
+    gone: bool,
+    /// Bound after its phase ended (while its phase's pods were being deleted): not in the phase's results.
+    late: bool,
+}
+
+#[derive(Default)]
+struct Counters {
+    created: AtomicU64,
+    errors: AtomicU64,
+    bound: AtomicU64,
+    misfits: AtomicU64,
+    gone: AtomicU64,
+}
+
+const PHASES: [&str; 3] = ["steady", "burst", "fill"];
+
+struct World {
+    run: String,
+    namespace: String,
+    pods: Mutex<HashMap<String, Rec>>,
+    counters: [Counters; 3],
+    last_bind: Mutex<Option<Instant>>,
+    books: Mutex<HashMap<String, NodeBook>>,
+    /// Nodes whose usage changed since the last write, and whether room grew.
+    dirty: Mutex<HashMap<String, bool>>,
+    /// The room-freed label each node carries (the agent keeps writing it).
+    room: Mutex<HashMap<String, u128>>,
+    published: AtomicU64,
+    publish_errors: AtomicU64,
+    current: Mutex<Option<usize>>,
+    /// Phases whose results are taken.
+    closed: [AtomicBool; 3],
+    meter: Mutex<Option<PhaseMeter>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn unix_millis() -> u128 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis())
+}
+
+impl World {
+    /// A watch event about one of the run's pods.
+    fn on_pod(&self, pod: &Pod, deleted: bool) {
+        let Some(name) = pod.metadata.name.as_deref() else {
+            return;
+        };
+        let key = format!("{}/{name}", self.namespace);
+        let node = pod.spec.as_ref().and_then(|s| s.node_name.clone());
+        let mut pods = lock(&self.pods);
+        let Some(rec) = pods.get_mut(name) else {
+            return;
+        };
+        let counters = &self.counters[rec.phase];
+        if rec.t1.is_none()
+            && let Some(node) = node
+        {
+            let now = Instant::now();
+            rec.t1 = Some(now);
+            rec.late = self.closed[rec.phase].load(Ordering::Relaxed);
+            counters.bound.fetch_add(1, Ordering::Relaxed);
+            *lock(&self.last_bind) = Some(now);
+            let assigned = pod
+                .metadata
+                .annotations
+                .as_ref()
+                .and_then(|a| a.get(ASSIGNED_GPUS_ANNOTATION))
+                .map(String::as_str);
+            let mut books = lock(&self.books);
+            if let Some(book) = books.get_mut(&node) {
+                match book.bind(&key, rec.size, assigned) {
+                    Outcome::Placed { followed, .. } => {
+                        rec.followed = followed;
+                        lock(&self.dirty).entry(node.clone()).or_insert(false);
+                    }
+                    Outcome::Misfit => {
+                        rec.misfit = true;
+                        counters.misfits.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Outcome::Known => {}
+                }
+            }
+            rec.node = Some(node);
+        }
+        if deleted && !rec.gone {
+            rec.gone = true;
+            counters.gone.fetch_add(1, Ordering::Relaxed);
+            if let Some(node) = &rec.node
+                && lock(&self.books).get_mut(node).is_some_and(|b| b.release(&key))
+            {
+                lock(&self.dirty).insert(node.clone(), true);
+            }
+        }
+    }
+}
+
+/// The played agent's writes: each second, one apply per node whose usage changed.
+async fn publish(world: Arc<World>, client: Client) {
+    let nodes: Api<Node> = Api::all(client);
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let batch: Vec<(String, bool)> = lock(&world.dirty).drain().collect();
+        let writes: Vec<_> = batch
+            .into_iter()
+            .filter_map(|(name, grew)| {
+                let room = {
+                    let mut room = lock(&world.room);
+                    if grew {
+                        room.insert(name.clone(), unix_millis());
+                    }
+                    room.get(&name).copied()
+                };
+                let books = lock(&world.books);
+                let book = books.get(&name)?;
+                let usage = book.usage();
+                let (labels, annotations) =
+                    k8s::agent_metadata(&book.model, &book.model.topology, &usage, room);
+                Some((name, labels, annotations))
+            })
+            .collect();
+        let world = &world;
+        let nodes = &nodes;
+        futures_util::stream::iter(writes)
+            .for_each_concurrent(16, |(name, labels, annotations)| async move {
+                match k8s::apply_agent_metadata(nodes, &name, &labels, &annotations).await {
+                    Ok(()) => {
+                        world.published.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Err(err) => {
+                        world.publish_errors.fetch_add(1, Ordering::Relaxed);
+                        tracing::warn!(node = %name, error = %err, "cannot publish the usage; retrying");
+                        lock(&world.dirty).entry(name).or_insert(false);
+                    }
+                }
+            })
+            .await;
+    }
+}
+
+/// Follows the run's pods until the process ends.
+async fn watch_pods(world: Arc<World>, client: Client, synced: tokio::sync::oneshot::Sender<()>) {
+    let pods: Api<Pod> = Api::namespaced(client, &world.namespace);
+    let config = watcher::Config::default().labels(&format!("{RUN_LABEL}={}", world.run));
+    let mut stream = std::pin::pin!(watcher(pods, config));
+    let mut synced = Some(synced);
+    while let Some(event) = stream.next().await {
+        match event {
+            Ok(watcher::Event::Apply(p) | watcher::Event::InitApply(p)) => world.on_pod(&p, false),
+            Ok(watcher::Event::Delete(p)) => world.on_pod(&p, true),
+            Ok(watcher::Event::InitDone) => {
+                if let Some(s) = synced.take() {
+                    let _ = s.send(());
+                }
+            }
+            Ok(watcher::Event::Init) => {}
+            Err(err) => {
+                tracing::warn!(error = %err, "pod watch failed; it restarts");
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+        }
+    }
+}
+
+/// One line on stderr every few seconds.
+async fn progress(world: Arc<World>, started: Instant) {
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    for n in 0u64.. {
+        tick.tick().await;
+        if let Some(m) = lock(&world.meter).as_mut() {
+            m.poll();
+        }
+        let Some(p) = *lock(&world.current) else {
+            continue;
+        };
+        if !n.is_multiple_of(3) {
+            continue;
+        }
+        let c = &world.counters[p];
+        let (created, bound) = (c.created.load(Ordering::Relaxed), c.bound.load(Ordering::Relaxed));
+        eprintln!(
+            "[{:>6.1}s] {}: created {created}, bound {bound}, pending {}, misfits {}, create errors {}, gone {}, usage writes {}",
+            started.elapsed().as_secs_f64(),
+            PHASES[p],
+            created.saturating_sub(bound),
+            c.misfits.load(Ordering::Relaxed),
+            c.errors.load(Ordering::Relaxed),
+            c.gone.load(Ordering::Relaxed),
+            world.published.load(Ordering::Relaxed),
+        );
+    }
+}
+
+/// Creates one pod; t0 is taken just before the request goes out.
+async fn create_one(world: &World, pods: &Api<Pod>, phase: usize, name: String, size: Size) {
+    let object = match k8s::pod(&name, &world.run, PHASES[phase], size) {
+        Ok(o) => o,
+        Err(err) => {
+            tracing::error!(error = %err, "cannot build a pod");
+            return;
+        }
+    };
+    lock(&world.pods).insert(
+        name.clone(),
+        Rec {
+            phase,
+            size,
+            t0: Instant::now(),
+            t1: None,
+            node: None,
+            misfit: false,
+            followed: false,
+            error: None,
+            gone: false,
+            late: false,
+        },
+    );
+    let counters = &world.counters[phase];
+    match pods.create(&PostParams::default(), &object).await {
+        Ok(_) => {
+            counters.created.fetch_add(1, Ordering::Relaxed);
+        }
+        Err(err) => {
+            counters.errors.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(pod = %name, error = %err, "create failed");
+            if let Some(r) = lock(&world.pods).get_mut(&name) {
+                r.error = Some(err.to_string());
+            }
+        }
+    }
+}
+
+/// Waits until every created pod of the phase is bound, or `stall` passes with no new binding;
+/// returns when the phase's activity ended (its last binding, or the end of creation).
+async fn wait_bound(world: &World, phase: usize, created_at: Instant, stall: Duration) -> Instant {
+    let c = &world.counters[phase];
+    loop {
+        let last = lock(&world.last_bind).map_or(created_at, |b| b.max(created_at));
+        if c.bound.load(Ordering::Relaxed) >= c.created.load(Ordering::Relaxed) {
+            return last;
+        }
+        if last.elapsed() >= stall {
+            tracing::warn!(
+                phase = PHASES[phase],
+                "no binding for {stall:?}: the phase ends with pods pending"
+            );
+            return last;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// Deletes a phase's pods (grace period 0: no kubelet will confirm) and waits until the watch has
+/// seen every one go and the played agent has released them.
+async fn delete_phase(world: &World, pods: &Api<Pod>, phase: usize) -> anyhow::Result<f64> {
+    let started = Instant::now();
+    let selector = format!("{RUN_LABEL}={},{PHASE_LABEL}={}", world.run, PHASES[phase]);
+    let params = DeleteParams {
+        grace_period_seconds: Some(0),
+        ..DeleteParams::default()
+    };
+    if let Err(err) = pods
+        .delete_collection(&params, &ListParams::default().labels(&selector))
+        .await
+    {
+        tracing::warn!(error = %err, "delete collection failed; deleting one by one");
+        let names: Vec<String> = lock(&world.pods)
+            .iter()
+            .filter(|(_, r)| r.phase == phase && !r.gone)
+            .map(|(n, _)| n.clone())
+            .collect();
+        futures_util::stream::iter(names)
+            .for_each_concurrent(32, |n| {
+                let params = params.clone();
+                async move {
+                    if let Err(err) = pods.delete(&n, &params).await {
+                        tracing::debug!(pod = %n, error = %err, "delete failed");
+                    }
+                }
+            })
+            .await;
+    }
+    let c = &world.counters[phase];
+    let deadline = Instant::now() + Duration::from_secs(300);
+    loop {
+        let left = k8s::count_pods(pods, &selector).await?;
+        if left == 0 && c.gone.load(Ordering::Relaxed) >= c.created.load(Ordering::Relaxed) {
+            break;
+        }
+        if Instant::now() > deadline {
+            bail!("{left} pods of phase {} still there after 300 s", PHASES[phase]);
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    // The played agent's last writes go out before the next phase starts.
+    while !lock(&world.dirty).is_empty() {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    Ok(started.elapsed().as_secs_f64())
+}
+
+#[derive(Serialize, Debug)]
+pub struct PhaseSummary {
+    pub phase: String,
+    pub pods: usize,
+    pub created: u64,
+    pub create_errors: u64,
+    pub placed: usize,
+    pub fraction_placed: f64,
+    pub unplaced: usize,
+    pub misfits: usize,
+    /// Of the placed pods.
+    pub misfit_fraction: f64,
+    /// Pods whose GPUs the played agent took from the scorer's choice.
+    pub followed_scorer: usize,
+    pub pods_by_kind: BTreeMap<String, usize>,
+    /// Offered pace of creation (pods/s over the creation time).
+    pub created_per_s: Option<f64>,
+    /// Bindings per second between the first create and the last binding.
+    pub pods_per_s: Option<f64>,
+    pub wall_s: f64,
+    pub latency: Option<Latency>,
+    pub latency_by_kind: BTreeMap<String, Latency>,
+    /// Bindings in each second since the phase's first create.
+    pub bound_per_second: Vec<u64>,
+    pub processes: Vec<ProcessUse>,
+    pub nodes_ready_at_end: usize,
+}
+
+#[derive(Serialize, Debug)]
+pub struct Summary {
+    pub mode: Mode,
+    pub nodes: usize,
+    pub node_profiles: BTreeMap<String, usize>,
+    pub trace: String,
+    pub trace_gpu_pods: usize,
+    pub trace_cpu_only_pods_left_out: usize,
+    pub mapping: String,
+    pub seed: u64,
+    pub rate: f64,
+    pub duration_s: f64,
+    pub burst: u64,
+    pub concurrency: usize,
+    pub fill: u64,
+    pub fill_mib: u64,
+    pub setup_s: f64,
+    pub phases: Vec<PhaseSummary>,
+    pub deletes_s: BTreeMap<String, f64>,
+    pub usage_writes: u64,
+    pub usage_write_errors: u64,
+    pub nodes_ready: Vec<(f64, usize)>,
+    pub lease_renewal_failures: u64,
+    /// Times a scale node was found not Ready and its status posted again (as its kubelet would).
+    pub node_status_reposted: u64,
+}
+
+fn summarize(
+    world: &World,
+    phase: usize,
+    wall: f64,
+    creation: Option<Duration>,
+    processes: Vec<ProcessUse>,
+    nodes_ready: usize,
+) -> PhaseSummary {
+    let pods = lock(&world.pods);
+    let recs: Vec<&Rec> = pods.values().filter(|r| r.phase == phase).collect();
+    let c = &world.counters[phase];
+    let placed: Vec<&Rec> = recs
+        .iter()
+        .copied()
+        .filter(|r| r.t1.is_some() && !r.late)
+        .collect();
+    let latency_ms = |r: &Rec| r.t1.map(|t1| (t1 - r.t0).as_secs_f64() * 1000.0);
+    let all: Vec<f64> = placed.iter().filter_map(|r| latency_ms(r)).collect();
+    let mut by_kind = BTreeMap::new();
+    let mut counts = BTreeMap::new();
+    for kind in Kind::ALL {
+        let n = recs.iter().filter(|r| r.size.kind() == kind).count();
+        if n > 0 {
+            counts.insert(kind.as_str().to_string(), n);
+        }
+        let l: Vec<f64> = placed
+            .iter()
+            .filter(|r| r.size.kind() == kind)
+            .filter_map(|r| latency_ms(r))
+            .collect();
+        if let Some(l) = Latency::of(&l) {
+            by_kind.insert(kind.as_str().to_string(), l);
+        }
+    }
+    let first = recs.iter().map(|r| r.t0).min();
+    let last = placed.iter().filter_map(|r| r.t1).max();
+    let pods_per_s = match (first, last) {
+        (Some(f), Some(l)) => stats::throughput(placed.len(), l - f),
+        _ => None,
+    };
+    let offsets: Vec<f64> = match first {
+        Some(f) => placed
+            .iter()
+            .filter_map(|r| r.t1)
+            .map(|t| (t - f).as_secs_f64())
+            .collect(),
+        None => Vec::new(),
+    };
+    let misfits = recs.iter().filter(|r| r.misfit).count();
+    let created = c.created.load(Ordering::Relaxed);
+    PhaseSummary {
+        phase: PHASES[phase].to_string(),
+        pods: recs.len(),
+        created,
+        create_errors: c.errors.load(Ordering::Relaxed),
+        placed: placed.len(),
+        // Of the pods whose create was sent: a create that failed (a timeout) may still have
+        // made the pod, which then counts as placed.
+        fraction_placed: if recs.is_empty() {
+            0.0
+        } else {
+            placed.len() as f64 / recs.len() as f64
+        },
+        unplaced: recs.len() - placed.len(),
+        misfits,
+        misfit_fraction: if placed.is_empty() {
+            0.0
+        } else {
+            misfits as f64 / placed.len() as f64
+        },
+        followed_scorer: placed.iter().filter(|r| r.followed).count(),
+        pods_by_kind: counts,
+        created_per_s: creation.and_then(|d| stats::throughput(created as usize, d)),
+        pods_per_s,
+        wall_s: wall,
+        latency: Latency::of(&all),
+        latency_by_kind: by_kind,
+        bound_per_second: stats::per_second(&offsets),
+        processes,
+        nodes_ready_at_end: nodes_ready,
+    }
+}
+
+fn watched(args: &RunArgs) -> Vec<Watched> {
+    let mut out = Vec::new();
+    for name in [
+        "etcd",
+        "kube-apiserver",
+        "kube-controller-manager",
+        "kube-scheduler",
+    ] {
+        let file = args.k8s_state.join("run").join(format!("{name}.pid"));
+        match crate::procs::pid_from_file(&file) {
+            Ok(pid) => out.push(Watched {
+                name: name.into(),
+                pid,
+            }),
+            Err(err) => tracing::warn!(error = %err, "{name} is not measured"),
+        }
+    }
+    if let Some(pid) = args.scorer_pid {
+        out.push(Watched {
+            name: "gpumem-scorer".into(),
+            pid,
+        });
+    }
+    out.push(Watched {
+        name: "gpumem-scale".into(),
+        pid: std::process::id(),
+    });
+    out
+}
+
+pub async fn run(args: RunArgs) -> anyhow::Result<()> {
+    if args.rate <= 0.0 || args.duration < 0.0 || args.concurrency == 0 {
+        bail!("--rate must be > 0, --duration >= 0, --concurrency > 0");
+    }
+    let started = Instant::now();
+    let trace_pods = trace::read(&args.trace)?;
+    let mix = parse_profiles(&args.profiles)?;
+    let counts = apportion(&mix, args.nodes);
+    let mut models = Vec::new();
+    for (name, _) in &mix {
+        let profile = gpumem_profile::Profile::load(name).with_context(|| format!("profile {name}"))?;
+        let inventory = GpuInventory::discover(&profile).with_context(|| format!("profile {name}"))?;
+        models.push(Arc::new(NodeModel::new(name, inventory)));
+    }
+    // Profiles spread over the node names in a seeded order.
+    let mut assignment: Vec<usize> = counts
+        .iter()
+        .enumerate()
+        .flat_map(|(i, &n)| std::iter::repeat_n(i, n))
+        .collect();
+    assignment.shuffle(&mut rand_pcg::Pcg64Mcg::seed_from_u64(args.seed));
+    let names: Vec<String> = (1..=args.nodes).map(k8s::node_name).collect();
+
+    std::fs::create_dir_all(&args.out).with_context(|| format!("creating {}", args.out.display()))?;
+    let client = Client::try_default()
+        .await
+        .context("no Kubernetes client configuration (KUBECONFIG)")?;
+    k8s::ensure_namespace(&client, &args.namespace).await?;
+
+    let run_id = format!(
+        "{}-{}",
+        match args.mode {
+            Mode::Extender => "extender",
+            Mode::Alone => "alone",
+        },
+        unix_millis() / 1000
+    );
+    let world = Arc::new(World {
+        run: run_id,
+        namespace: args.namespace.clone(),
+        pods: Mutex::new(HashMap::new()),
+        counters: Default::default(),
+        last_bind: Mutex::new(None),
+        books: Mutex::new(
+            names
+                .iter()
+                .zip(&assignment)
+                .map(|(n, &m)| (n.clone(), NodeBook::new(models[m].clone())))
+                .collect(),
+        ),
+        dirty: Mutex::new(HashMap::new()),
+        room: Mutex::new(HashMap::new()),
+        published: AtomicU64::new(0),
+        publish_errors: AtomicU64::new(0),
+        current: Mutex::new(None),
+        closed: Default::default(),
+        meter: Mutex::new(None),
+    });
+
+    tracing::info!(nodes = args.nodes, ?counts, "creating the scale nodes");
+    let pairs: Vec<(String, Arc<NodeModel>)> = names
+        .iter()
+        .zip(&assignment)
+        .map(|(n, &m)| (n.clone(), models[m].clone()))
+        .collect();
+    let created = AtomicU64::new(0);
+    k8s::for_each_limited(pairs, 16, |(name, model)| {
+        let client = client.clone();
+        let created = &created;
+        async move {
+            k8s::create_node(&client, &name, &model).await?;
+            let n = created.fetch_add(1, Ordering::Relaxed) + 1;
+            if n.is_multiple_of(100) {
+                eprintln!("[{:>6.1}s] nodes created: {n}", started.elapsed().as_secs_f64());
+            }
+            Ok(())
+        }
+    })
+    .await?;
+    let all_names = Arc::new(names.clone());
+    let lease_client = Client::try_default()
+        .await
+        .context("no Kubernetes client configuration (KUBECONFIG)")?;
+    let lease_failures = Arc::new(AtomicU64::new(0));
+    tokio::spawn(k8s::renew_leases(
+        lease_client.clone(),
+        all_names,
+        lease_failures.clone(),
+    ));
+    let by_name: HashMap<String, Arc<NodeModel>> = names
+        .iter()
+        .zip(&assignment)
+        .map(|(n, &m)| (n.clone(), models[m].clone()))
+        .collect();
+    let reposted = Arc::new(AtomicU64::new(0));
+    tokio::spawn(k8s::repair_status(
+        lease_client,
+        Arc::new(by_name),
+        Duration::from_secs(10),
+        reposted.clone(),
+    ));
+    let deadline = Instant::now() + Duration::from_secs(300);
+    loop {
+        let ready = k8s::ready_nodes(&client).await?;
+        if ready >= args.nodes {
+            break;
+        }
+        if Instant::now() > deadline {
+            bail!(
+                "only {ready} of {} scale nodes Ready (and untainted) after 300 s",
+                args.nodes
+            );
+        }
+        eprintln!(
+            "[{:>6.1}s] scale nodes Ready and untainted: {ready}",
+            started.elapsed().as_secs_f64()
+        );
+        tokio::time::sleep(Duration::from_secs(3)).await;
+    }
+    let extra = k8s::all_node_names(&client).await?.len();
+    if extra != args.nodes {
+        bail!(
+            "{extra} nodes carry {}=true, expected {}: clean the cluster first",
+            k8s::SCALE_KEY,
+            args.nodes
+        );
+    }
+    tokio::spawn(publish(world.clone(), client.clone()));
+    let (synced_tx, synced_rx) = tokio::sync::oneshot::channel();
+    tokio::spawn(watch_pods(world.clone(), client.clone(), synced_tx));
+    synced_rx.await.context("the pod watch ended before it synced")?;
+    tokio::spawn(progress(world.clone(), started));
+    let setup_s = started.elapsed().as_secs_f64();
+    eprintln!("[{setup_s:>6.1}s] {} nodes Ready; phases start", args.nodes);
+    // Let kube-scheduler's and the scorer's caches take in the last node updates.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+
+    let pods: Api<Pod> = Api::namespaced(client.clone(), &args.namespace);
+    let watched = watched(&args);
+    let mut sampler = Sampler::new(trace_pods.sizes.clone(), args.seed);
+    let mut phases = Vec::new();
+    let mut deletes = BTreeMap::new();
+    let mut ready_log = Vec::new();
+    let stall = Duration::from_secs_f64(args.stall);
+
+    // a. steady
+    let begin = |phase: usize| {
+        *lock(&world.meter) = Some(PhaseMeter::start(&watched));
+        *lock(&world.current) = Some(phase);
+        Instant::now()
+    };
+    let end_meter = |active_end: Instant| {
+        lock(&world.meter)
+            .take()
+            .map(|m| m.finish(active_end))
+            .unwrap_or_default()
+    };
+    {
+        let t = begin(0);
+        let n = stats::pod_count(args.rate, args.duration);
+        let mut tasks = tokio::task::JoinSet::new();
+        for i in 0..n {
+            tokio::time::sleep_until((t + stats::due(i, args.rate)).into()).await;
+            let (world, pods, size) = (world.clone(), pods.clone(), sampler.next_size());
+            tasks.spawn(async move { create_one(&world, &pods, 0, format!("steady-{i:06}"), size).await });
+        }
+        while tasks.join_next().await.is_some() {}
+        let creation = t.elapsed();
+        let active_end = wait_bound(&world, 0, Instant::now(), stall).await;
+        let procs = end_meter(active_end);
+        let ready = k8s::ready_nodes(&client).await?;
+        ready_log.push((started.elapsed().as_secs_f64(), ready));
+        phases.push(summarize(
+            &world,
+            0,
+            t.elapsed().as_secs_f64(),
+            Some(creation),
+            procs,
+            ready,
+        ));
+        world.closed[0].store(true, Ordering::Relaxed);
+        deletes.insert("steady".to_string(), delete_phase(&world, &pods, 0).await?);
+    }
+    // c. burst
+    if args.burst > 0 {
+        let t = begin(1);
+        let sizes: Vec<Size> = (0..args.burst).map(|_| sampler.next_size()).collect();
+        create_all(&world, &pods, 1, "burst", sizes, args.concurrency).await;
+        let creation = t.elapsed();
+        let active_end = wait_bound(&world, 1, Instant::now(), stall).await;
+        let procs = end_meter(active_end);
+        let ready = k8s::ready_nodes(&client).await?;
+        ready_log.push((started.elapsed().as_secs_f64(), ready));
+        phases.push(summarize(
+            &world,
+            1,
+            t.elapsed().as_secs_f64(),
+            Some(creation),
+            procs,
+            ready,
+        ));
+        world.closed[1].store(true, Ordering::Relaxed);
+        deletes.insert("burst".to_string(), delete_phase(&world, &pods, 1).await?);
+    }
+    // e. fill: left bound
+    if args.fill > 0 {
+        let t = begin(2);
+        let sizes = vec![Size::Share { mib: args.fill_mib }; args.fill as usize];
+        create_all(&world, &pods, 2, "fill", sizes, args.concurrency).await;
+        let creation = t.elapsed();
+        let active_end = wait_bound(&world, 2, Instant::now(), stall).await;
+        // The played agent's last writes reach the scorer before its memory is read.
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        let procs = end_meter(active_end);
+        let ready = k8s::ready_nodes(&client).await?;
+        ready_log.push((started.elapsed().as_secs_f64(), ready));
+        phases.push(summarize(
+            &world,
+            2,
+            t.elapsed().as_secs_f64(),
+            Some(creation),
+            procs,
+            ready,
+        ));
+        world.closed[2].store(true, Ordering::Relaxed);
+    }
+    *lock(&world.current) = None;
+
+    let node_profiles = mix
+        .iter()
+        .zip(&counts)
+        .map(|((n, _), &c)| (n.clone(), c))
+        .collect();
+    let summary = Summary {
+        mode: args.mode,
+        nodes: args.nodes,
+        node_profiles,
+        trace: args.trace.display().to_string(),
+        trace_gpu_pods: trace_pods.sizes.len(),
+        trace_cpu_only_pods_left_out: trace_pods.cpu_only,
+        mapping: format!(
+            "GPU pods only; a share (num_gpu 1, gpu_milli < 1000) asks nvidia.com/gpu-mem = ceil(gpu_milli * {} / 1000) MiB (openb GPUs taken as 16 GB-class); whole GPUs ask nvidia.com/gpu = num_gpu; cpu/memory requests 100m/128Mi for every pod",
+            trace::OPENB_GPU_MIB
+        ),
+        seed: args.seed,
+        rate: args.rate,
+        duration_s: args.duration,
+        burst: args.burst,
+        concurrency: args.concurrency,
+        fill: args.fill,
+        fill_mib: args.fill_mib,
+        setup_s,
+        phases,
+        deletes_s: deletes,
+        usage_writes: world.published.load(Ordering::Relaxed),
+        usage_write_errors: world.publish_errors.load(Ordering::Relaxed),
+        nodes_ready: ready_log,
+        lease_renewal_failures: lease_failures.load(Ordering::Relaxed),
+        node_status_reposted: reposted.load(Ordering::Relaxed),
+    };
+    let path = args.out.join("summary.json");
+    std::fs::write(&path, serde_json::to_string_pretty(&summary)? + "\n")
+        .with_context(|| format!("writing {}", path.display()))?;
+    write_pods_csv(&world, &args.out.join("pods.csv"))?;
+    print!("{}", render(&summary));
+    Ok(())
+}
+
+async fn create_all(
+    world: &Arc<World>,
+    pods: &Api<Pod>,
+    phase: usize,
+    prefix: &str,
+    sizes: Vec<Size>,
+    limit: usize,
+) {
+    futures_util::stream::iter(sizes.into_iter().enumerate())
+        .for_each_concurrent(limit, |(i, size)| async move {
+            create_one(world, pods, phase, format!("{prefix}-{i:06}"), size).await;
+        })
+        .await;
+}
+
+fn write_pods_csv(world: &World, path: &std::path::Path) -> anyhow::Result<()> {
+    let pods = lock(&world.pods);
+    let mut rows: Vec<(&String, &Rec)> = pods.iter().collect();
+    rows.sort_by(|a, b| (a.1.phase, a.0).cmp(&(b.1.phase, b.0)));
+    let first: HashMap<usize, Instant> = rows.iter().fold(HashMap::new(), |mut m, (_, r)| {
+        let e = m.entry(r.phase).or_insert(r.t0);
+        *e = (*e).min(r.t0);
+        m
+    });
+    let mut w = csv::Writer::from_path(path).with_context(|| format!("writing {}", path.display()))?;
+    w.write_record([
+        "phase",
+        "pod",
+        "kind",
+        "size",
+        "node",
+        "created_s",
+        "bound_s",
+        "latency_ms",
+        "misfit",
+        "followed_scorer",
+        "bound_after_phase",
+        "error",
+    ])?;
+    for (name, r) in rows {
+        let base = first.get(&r.phase).copied().unwrap_or(r.t0);
+        w.write_record([
+            PHASES[r.phase].to_string(),
+            name.clone(),
+            r.size.kind().as_str().to_string(),
+            r.size.label(),
+            r.node.clone().unwrap_or_default(),
+            format!("{:.4}", (r.t0 - base).as_secs_f64()),
+            r.t1.map(|t| format!("{:.4}", (t - base).as_secs_f64()))
+                .unwrap_or_default(),
+            r.t1.map(|t| format!("{:.2}", (t - r.t0).as_secs_f64() * 1000.0))
+                .unwrap_or_default(),
+            r.misfit.to_string(),
+            r.followed.to_string(),
+            r.late.to_string(),
+            r.error.clone().unwrap_or_default(),
+        ])?;
+    }
+    w.flush().with_context(|| format!("writing {}", path.display()))?;
+    Ok(())
+}
+
+/// The human-readable summary.
+pub fn render(s: &Summary) -> String {
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "gpumem-scale: mode {:?}, {} nodes {:?}; trace {} ({} GPU pods sampled, {} CPU-only pods left out)",
+        s.mode, s.nodes, s.node_profiles, s.trace, s.trace_gpu_pods, s.trace_cpu_only_pods_left_out
+    );
+    let _ = writeln!(out, "mapping: {}", s.mapping);
+    let f = |x: Option<f64>| x.map_or("-".to_string(), |v| format!("{v:.1}"));
+    for p in &s.phases {
+        let _ = writeln!(
+            out,
+            "\n{}: {} pods ({:?}), {} created ({} errors), {} placed ({:.1}%), misfits {} ({:.2}% of placed), created/s {}, bound pods/s {}, {:.1} s, scale nodes Ready at end {}",
+            p.phase,
+            p.pods,
+            p.pods_by_kind,
+            p.created,
+            p.create_errors,
+            p.placed,
+            100.0 * p.fraction_placed,
+            p.misfits,
+            100.0 * p.misfit_fraction,
+            f(p.created_per_s),
+            f(p.pods_per_s),
+            p.wall_s,
+            p.nodes_ready_at_end
+        );
+        let mut lat = |name: &str, l: &Latency| {
+            let _ = writeln!(
+                out,
+                "  latency {name:<9} n={:<6} p50 {:>8.1} ms  p95 {:>8.1} ms  p99 {:>8.1} ms  max {:>8.1} ms",
+                l.count, l.p50_ms, l.p95_ms, l.p99_ms, l.max_ms
+            );
+        };
+        if let Some(l) = &p.latency {
+            lat("all", l);
+        }
+        for (k, l) in &p.latency_by_kind {
+            lat(k, l);
+        }
+        for u in &p.processes {
+            let _ = writeln!(
+                out,
+                "  {:<24} cpu {:>7.1} s = {:>5.0}% of a core, peak RSS {:>7.1} MiB (end {:.1})",
+                u.name, u.cpu_s, u.cpu_pct, u.peak_rss_mib, u.end_rss_mib
+            );
+        }
+    }
+    let _ = writeln!(
+        out,
+        "\ndeletes (s): {:?}; usage writes {} ({} errors); scale nodes Ready (t s, count): {:?}; Lease renewals failed {}; node status posted again (not Ready) {}",
+        s.deletes_s,
+        s.usage_writes,
+        s.usage_write_errors,
+        s.nodes_ready,
+        s.lease_renewal_failures,
+        s.node_status_reposted
+    );
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn profile_mix_adds_up() {
+        let mix = parse_profiles("t4x4=40,mixed=20,dgx-a100=20,hgx-h100=20").unwrap();
+        assert_eq!(apportion(&mix, 1000), vec![400, 200, 200, 200]);
+        let odd = apportion(&mix, 7);
+        assert_eq!(odd.iter().sum::<usize>(), 7);
+        assert_eq!(odd[0], 3);
+        assert!(parse_profiles("t4x4").is_err());
+        assert!(parse_profiles("t4x4=x").is_err());
+        assert!(parse_profiles("t4x4=0").is_err());
+    }
+}
