@@ -1,5 +1,12 @@
-//! The HTTP/1.1 server of the scorer and of the agent's metrics: hyper, with [`Limits`] that keep a
-//! slow or hostile client from holding connections, descriptors or CPU.
+//! The HTTP server of the scorer and of the agent's metrics: hyper, with [`Limits`] that keep a
+//! slow or hostile client from holding connections, descriptors or CPU. HTTP/1.1, and HTTP/2 on TLS
+//! connections whose client offers it (ALPN `h2`, see [`crate::tls`]).
+//!
+//! Why HTTP/2: kube-scheduler's extender client (Go's `http.Transport` through apimachinery's
+//! `SetTransportDefaults`) offers `h2` and keeps at most 2 idle HTTP/1.1 connections per host. Its
+//! binds run concurrently (one goroutine per pod), so over HTTP/1.1 every bind beyond two in flight
+//! dials a new connection, with a full mutual-TLS handshake on both sides, and closes it afterwards.
+//! Over HTTP/2 all its calls share one connection.
 //!
 //! What hyper (1.12, `proto/h1/conn.rs`) bounds, and what is added here:
 //! - `header_read_timeout` starts when hyper begins waiting for a request head: at accept, and, since
@@ -20,6 +27,12 @@
 //!   still cost an accept and a descriptor per attempt.
 //! - With TLS ([`crate::tls`]), the handshake runs over [`TimedStream`] too: the head limit bounds
 //!   it, counted from accept.
+//! - HTTP/2 has no head between requests to time (a client's PING is not a request), so the head
+//!   limit runs from accept to the first request only. Its streams are counted instead: a connection
+//!   with none open for the idle limit is sent GOAWAY (a client then opens a new one). Bodies have
+//!   the same deadline, pending writes the same limit; h2 bounds header lists and streams per
+//!   connection ([`H2_MAX_STREAMS`], [`H2_MAX_HEADER_LIST`]) and resets a client that resets streams
+//!   in a flood.
 //! - Accept errors other than a peer's reset (EMFILE when descriptors run out: the pending
 //!   connection stays queued, so the next accept fails at once) pause the loop, 10 ms doubling to
 //!   1 s, and are logged at most once a second with the count of those not logged.
@@ -29,15 +42,16 @@ use std::future::Future;
 use std::io;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::Mutex;
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::task::{Context, Poll, ready};
 use std::time::Duration;
 
 use http_body_util::Full;
 use hyper::body::{Bytes, Incoming};
-use hyper::server::conn::http1;
+use hyper::server::conn::{http1, http2};
 use hyper::{Request, Response};
-use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
@@ -64,6 +78,10 @@ pub const IDLE_TIMEOUT: Duration = Duration::from_secs(120);
 pub const BODY_TIMEOUT: Duration = Duration::from_secs(30);
 /// Connections served at once; more wait in the listen backlog.
 pub const MAX_CONNECTIONS: usize = 1024;
+/// Requests in flight on one HTTP/2 connection (kube-scheduler's binds run concurrently).
+pub const H2_MAX_STREAMS: u32 = 256;
+/// Bytes of one request's headers over HTTP/2, as HPACK decodes them.
+pub const H2_MAX_HEADER_LIST: u32 = 64 * 1024;
 
 /// How long a client may take over each part of a connection, and how many connections are served.
 #[derive(Debug, Clone, Copy)]
@@ -158,10 +176,13 @@ async fn connection<H, F>(
     let _ = stream.set_nodelay(true);
     let phase = Arc::new(Phase::default());
     let timed = TimedStream::new(stream, Arc::clone(&phase), limits);
-    let io: Box<dyn Io> = match tls {
-        None => Box::new(timed),
+    let (io, h2): (Box<dyn Io>, bool) = match tls {
+        None => (Box::new(timed), false),
         Some(tls) => match tls.acceptor().accept(timed).await {
-            Ok(stream) => Box::new(stream),
+            Ok(stream) => {
+                let h2 = stream.get_ref().1.alpn_protocol() == Some(b"h2".as_slice());
+                (Box::new(stream), h2)
+            }
             Err(e) => {
                 // A client without a valid certificate, or a stray one: refused before any request.
                 // Worth seeing (a scheduler with the wrong certificate leaves GPU pods pending), at
@@ -171,6 +192,27 @@ async fn connection<H, F>(
             }
         },
     };
+    let served = if h2 {
+        serve_h2(io, limits, phase, handler).await
+    } else {
+        serve_http1(io, limits, phase, handler).await
+    };
+    if let Err(e) = served {
+        // Timeouts and resets are the client's doing: not worth a line each at the default level.
+        tracing::debug!("connection: {e}");
+    }
+}
+
+async fn serve_http1<H, F>(
+    io: Box<dyn Io>,
+    limits: Limits,
+    phase: Arc<Phase>,
+    handler: Arc<H>,
+) -> hyper::Result<()>
+where
+    H: Fn(Request<Body>) -> F + Send + Sync + 'static,
+    F: Future<Output = Reply> + Send + 'static,
+{
     let service = hyper::service::service_fn(move |req: Request<Incoming>| {
         phase.set(BUSY);
         let reply = handler(req.map(|body| DeadlineBody::new(limits.body_timeout, body)));
@@ -181,14 +223,102 @@ async fn connection<H, F>(
             Ok::<_, Infallible>(reply)
         }
     });
-    let served = http1::Builder::new()
+    http1::Builder::new()
         .timer(TokioTimer::new())
         .header_read_timeout(limits.idle_timeout)
         .serve_connection(TokioIo::new(io), service)
-        .await;
-    if let Err(e) = served {
-        // Timeouts and resets are the client's doing: not worth a line each at the default level.
-        tracing::debug!("connection: {e}");
+        .await
+}
+
+async fn serve_h2<H, F>(
+    io: Box<dyn Io>,
+    limits: Limits,
+    phase: Arc<Phase>,
+    handler: Arc<H>,
+) -> hyper::Result<()>
+where
+    H: Fn(Request<Body>) -> F + Send + Sync + 'static,
+    F: Future<Output = Reply> + Send + 'static,
+{
+    let streams = Arc::new(Streams::new());
+    let service = {
+        let streams = Arc::clone(&streams);
+        hyper::service::service_fn(move |req: Request<Incoming>| {
+            // The head limit ends with the first request, for good (see the module's notes).
+            phase.set(BUSY);
+            let open = Streams::open(&streams);
+            let reply = handler(req.map(|body| DeadlineBody::new(limits.body_timeout, body)));
+            async move {
+                let reply = reply.await;
+                drop(open);
+                Ok::<_, Infallible>(reply)
+            }
+        })
+    };
+    let connection = http2::Builder::new(TokioExecutor::new())
+        .timer(TokioTimer::new())
+        .max_concurrent_streams(H2_MAX_STREAMS)
+        .max_header_list_size(H2_MAX_HEADER_LIST)
+        .serve_connection(TokioIo::new(io), service);
+    let mut connection = std::pin::pin!(connection);
+    let idle = streams.idle_for(limits.idle_timeout);
+    let mut idle = std::pin::pin!(idle);
+    let mut closing = false;
+    loop {
+        tokio::select! {
+            served = connection.as_mut() => return served,
+            () = idle.as_mut(), if !closing => {
+                closing = true;
+                connection.as_mut().graceful_shutdown();
+            }
+        }
+    }
+}
+
+/// The requests open on an HTTP/2 connection, and since when none has been.
+struct Streams(Mutex<(usize, Instant)>);
+
+/// One open request: counted until dropped (answered, or reset by the client).
+struct OpenStream(Arc<Streams>);
+
+impl Drop for OpenStream {
+    fn drop(&mut self) {
+        let mut state = self.0.lock();
+        state.0 = state.0.saturating_sub(1);
+        state.1 = Instant::now();
+    }
+}
+
+impl Streams {
+    fn new() -> Self {
+        Streams(Mutex::new((0, Instant::now())))
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, (usize, Instant)> {
+        self.0.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    fn open(this: &Arc<Streams>) -> OpenStream {
+        this.lock().0 += 1;
+        OpenStream(Arc::clone(this))
+    }
+
+    /// Completes once no request has been open for `limit`.
+    async fn idle_for(&self, limit: Duration) {
+        // While requests are open, looked at again this often (their end is not signalled).
+        let every = (limit / 4).clamp(Duration::from_millis(1), Duration::from_secs(1));
+        loop {
+            let (open, since) = *self.lock();
+            let wait = if open == 0 {
+                match (since + limit).checked_duration_since(Instant::now()) {
+                    None => return,
+                    Some(left) => left.max(Duration::from_millis(1)),
+                }
+            } else {
+                every
+            };
+            tokio::time::sleep(wait).await;
+        }
     }
 }
 

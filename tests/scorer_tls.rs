@@ -1,6 +1,7 @@
 //! The extender over TLS, with the real binaries: `gpumem certs` makes the certificates, the scorer
 //! serves its verbs only to a client presenting kube-scheduler's certificate, keeps its probes and
-//! metrics on the plain port, and picks up rotated files without a restart.
+//! metrics on the plain port, and picks up rotated files without a restart; kube-scheduler's
+//! HTTP/2 (one connection for all its calls, closed once idle: in process, with a short idle limit).
 #![allow(
     clippy::duplicate_mod,
     reason = "the scorer's and the agent's support code each include the shared k8s rules"
@@ -15,6 +16,11 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use gpumem::http::Limits;
+use gpumem::scorer::config::ScorerConfig;
+use gpumem::scorer::server;
+use gpumem::tls::{TlsFiles, TlsServer};
+use hyper::body::Bytes;
 use rustls_pki_types::pem::PemObject as _;
 use rustls_pki_types::{CertificateDer, PrivateKeyDer, ServerName};
 use scorer_support::fixture;
@@ -386,4 +392,164 @@ fn certs_keeps_keys_private_and_does_not_overwrite_without_force() {
         assert!(!refused.status.success(), "{bad:?}");
         assert!(!dir.path().join("bad/scorer.key").exists(), "{bad:?} wrote files");
     }
+}
+
+/// kube-scheduler's client hello: Go's transport with apimachinery's defaults offers HTTP/2 first.
+fn scheduler_offering_h2(dir: &Path) -> Arc<ClientConfig> {
+    let mut config = (*scheduler(dir)).clone();
+    config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+    Arc::new(config)
+}
+
+/// `POST path` with `body` on an HTTP/2 connection: the status and the answer's body.
+async fn h2_post(client: &h2::client::SendRequest<Bytes>, path: &str, body: &str) -> (u16, String) {
+    let mut client = client.clone().ready().await.expect("a stream slot");
+    let request = hyper::Request::post(format!("https://localhost{path}"))
+        .header("content-type", "application/json")
+        .body(())
+        .expect("request");
+    let (answer, mut send) = client.send_request(request, false).expect("open a stream");
+    send.send_data(Bytes::from(body.to_string()), true)
+        .expect("send the body");
+    let answer = answer.await.expect("an answer");
+    let status = answer.status().as_u16();
+    let mut body = answer.into_body();
+    let mut text = Vec::new();
+    while let Some(chunk) = body.data().await {
+        let chunk = chunk.expect("body data");
+        let _ = body.flow_control().release_capacity(chunk.len());
+        text.extend_from_slice(&chunk);
+    }
+    (status, String::from_utf8(text).expect("UTF-8 answer"))
+}
+
+#[tokio::test]
+async fn kube_schedulers_calls_share_one_http2_connection() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let certs = dir.path().join("certs");
+    make_certs(&certs, &[]);
+    let scorer = start_scorer(dir.path(), &certs);
+    wait_ready(&scorer).await;
+
+    let tcp = TcpStream::connect(scorer.tls).await.expect("connect");
+    let name = ServerName::try_from("gpumem-scorer.gpumem-system.svc").expect("server name");
+    let tls = TlsConnector::from(scheduler_offering_h2(&certs))
+        .connect(name, tcp)
+        .await
+        .expect("handshake");
+    assert_eq!(
+        tls.get_ref().1.alpn_protocol(),
+        Some(b"h2".as_slice()),
+        "the scorer did not choose HTTP/2"
+    );
+    let (client, connection) = h2::client::handshake(tls).await.expect("HTTP/2 preface");
+    let driver = tokio::spawn(connection);
+    let body = fixture("filter_nodes.json");
+    let calls: Vec<_> = (0..16)
+        .map(|_| {
+            let (client, body) = (client.clone(), body.clone());
+            tokio::spawn(async move { h2_post(&client, "/scheduler/filter", &body).await })
+        })
+        .collect();
+    for call in calls {
+        let (status, body) = call.await.expect("the call's task");
+        assert_eq!(status, 200, "{body}");
+        assert_eq!(kept(&body), ["one-big"]);
+    }
+    assert!(!driver.is_finished(), "the connection ended: {}", scorer.log());
+
+    // A client that offers only HTTP/1.1 is still served, and the metric tells the two apart.
+    let (status, _) = filter(scorer.tls, Some((scheduler(&certs), "localhost")))
+        .await
+        .expect("an HTTP/1.1 answer");
+    assert_eq!(status, 200);
+    let (_, metrics) = request(scorer.plain, None, "GET", "/metrics", "")
+        .await
+        .expect("metrics");
+    for line in [
+        r#"gpumem_scorer_verb_requests_total{protocol="HTTP/2"} 16"#,
+        r#"gpumem_scorer_verb_requests_total{protocol="HTTP/1.1"} 1"#,
+    ] {
+        assert!(metrics.lines().any(|l| l == line), "no `{line}` in\n{metrics}");
+    }
+}
+
+/// The scorer in this process on TLS (`certs` from `gpumem certs`), under `limits`: the idle limit
+/// shortened where the binary would take its 2 minutes.
+async fn scorer_in_process(certs: &Path, limits: Limits) -> SocketAddr {
+    let files = TlsFiles {
+        cert_file: certs.join("scorer.crt"),
+        key_file: certs.join("scorer.key"),
+        client_ca_file: certs.join("ca.crt"),
+    };
+    let tls = Arc::new(TlsServer::new(files).expect("the TLS files"));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind loopback");
+    let addr = listener.local_addr().expect("bound address");
+    let scorer = Arc::new(gpumem::scorer::Scorer::new(
+        ScorerConfig::default(),
+        None,
+        None,
+        None,
+    ));
+    tokio::spawn(server::serve(
+        listener,
+        scorer,
+        limits,
+        server::Port::Tls(tls),
+        std::future::pending(),
+    ));
+    addr
+}
+
+#[tokio::test]
+async fn an_http2_connection_is_kept_while_a_call_is_open_and_sent_goaway_once_idle() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    make_certs(dir.path(), &[]);
+    let idle = Duration::from_millis(500);
+    let addr = scorer_in_process(
+        dir.path(),
+        Limits {
+            idle_timeout: idle,
+            ..Limits::default()
+        },
+    )
+    .await;
+    let tcp = TcpStream::connect(addr).await.expect("connect");
+    let name = ServerName::try_from("localhost").expect("server name");
+    let tls = TlsConnector::from(scheduler_offering_h2(dir.path()))
+        .connect(name, tcp)
+        .await
+        .expect("handshake");
+    let (client, connection) = h2::client::handshake(tls).await.expect("HTTP/2 preface");
+    let mut driver = tokio::spawn(connection);
+    let (status, _) = h2_post(&client, "/scheduler/filter", &fixture("filter_nodes.json")).await;
+    assert_eq!(status, 200);
+
+    // A call whose body is still coming keeps the connection, however long past the idle limit
+    // (its body has its own deadline)...
+    let mut sender = client.clone().ready().await.expect("a stream slot");
+    let request = hyper::Request::post("https://localhost/scheduler/filter")
+        .body(())
+        .expect("request");
+    let (_answer, mut body) = sender.send_request(request, false).expect("open a stream");
+    body.send_data(Bytes::from_static(b"{\"Pod\":"), false)
+        .expect("part of a body");
+    tokio::time::sleep(3 * idle).await;
+    assert!(!driver.is_finished(), "closed while a call was open");
+
+    // ...and once the client gives it up (RST_STREAM), the connection is idle: GOAWAY, closed.
+    body.send_reset(h2::Reason::CANCEL);
+    let started = Instant::now();
+    let closed = tokio::time::timeout(idle * 6, &mut driver).await;
+    assert!(
+        closed.is_ok(),
+        "an idle HTTP/2 connection was kept past the idle limit"
+    );
+    assert!(
+        started.elapsed() >= idle - Duration::from_millis(100),
+        "closed {:?} after the last call, before the idle limit",
+        started.elapsed()
+    );
 }

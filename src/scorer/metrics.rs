@@ -8,6 +8,8 @@
 //! - `gpumem_cluster_gpu_memory_allocated_ratio`: allocated GPU memory over total, healthy GPUs;
 //!
 //! and, beyond what the dashboards use, `gpumem_scorer_errors_total{verb}`,
+//! `gpumem_scorer_verb_requests_total{protocol}` (extender calls by HTTP version: kube-scheduler
+//! should speak HTTP/2, see [`crate::http`]),
 //! `gpumem_scorer_bind_failures_total{kind}` (see [`super::bind::BindError::kind`]),
 //! `gpumem_scorer_ledger_reservations`, and `gpumem_scorer_mix_pods_seen` /
 //! `gpumem_scorer_mix_generation` (the pods the typical mix was learned from, and how often it moved:
@@ -43,6 +45,11 @@ pub struct KindLabel {
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ProtocolLabel {
+    pub protocol: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct NodeLabel {
     pub node: String,
 }
@@ -60,6 +67,7 @@ pub struct Metrics {
     pub latency: Family<VerbLabel, Histogram, fn() -> Histogram>,
     pub rejections: Family<ReasonLabel, Counter>,
     pub errors: Family<VerbLabel, Counter>,
+    pub protocols: Family<ProtocolLabel, Counter>,
     pub bind_failures: Family<KindLabel, Counter>,
     pub ledger: Gauge,
     pub cluster_fragmentation: Ratio,
@@ -82,6 +90,7 @@ impl Metrics {
             Family::<VerbLabel, Histogram, fn() -> Histogram>::new_with_constructor(latency_histogram);
         let rejections = Family::<ReasonLabel, Counter>::default();
         let errors = Family::<VerbLabel, Counter>::default();
+        let protocols = Family::<ProtocolLabel, Counter>::default();
         let bind_failures = Family::<KindLabel, Counter>::default();
         let ledger = Gauge::default();
         let cluster_fragmentation = Ratio::default();
@@ -116,6 +125,11 @@ impl Metrics {
             errors.clone(),
         );
         registry.register(
+            "gpumem_scorer_verb_requests",
+            "Extender calls received, by HTTP version",
+            protocols.clone(),
+        );
+        registry.register(
             "gpumem_scorer_bind_failures",
             "Binds refused, by kind (bad_request, not_bindable, does_not_fit, forbidden, not_found, conflict, ...)",
             bind_failures.clone(),
@@ -145,6 +159,7 @@ impl Metrics {
             latency,
             rejections,
             errors,
+            protocols,
             bind_failures,
             ledger,
             cluster_fragmentation,

@@ -1,4 +1,5 @@
-//! HTTP: the extender's routes, served by [`crate::http`] (HTTP/1.1, as kube-scheduler speaks it).
+//! HTTP: the extender's routes, served by [`crate::http`] (HTTP/1.1; HTTP/2 over TLS, which
+//! kube-scheduler prefers).
 //!
 //! Routes by the last path segment, so any `urlPrefix` works: `POST .../filter`, `.../prioritize`,
 //! `.../bind`, `.../preempt`; `GET /healthz`, `GET /metrics`. Bodies over `maxBodyBytes` get 413,
@@ -25,6 +26,7 @@ use serde::de::DeserializeOwned;
 use tokio::net::TcpListener;
 use tower_http::timeout::TimeoutError;
 
+use super::metrics::ProtocolLabel;
 use super::{BadRequest, Scorer};
 use crate::http::{Body, Limits, Reply};
 use crate::tls::TlsServer;
@@ -203,6 +205,18 @@ async fn handle(scorer: &Arc<Scorer>, req: Request<Body>, verbs: bool) -> Reply 
                 "{decision} is served over TLS only, to clients with a certificate the scorer trusts (tls.clientCAFile)"
             ),
         );
+    }
+    if decision.is_some() {
+        let protocol = match req.version() {
+            hyper::Version::HTTP_2 => "HTTP/2",
+            hyper::Version::HTTP_11 => "HTTP/1.1",
+            _ => "other",
+        };
+        scorer
+            .metrics
+            .protocols
+            .get_or_create(&ProtocolLabel { protocol })
+            .inc();
     }
     if let (&Method::POST, Some(decision)) = (req.method(), decision)
         && let Err(missing) = scorer.wait_synced(SYNC_WAIT).await

@@ -69,7 +69,9 @@ impl TlsFiles {
                     self.key_file.display()
                 )
             })?;
-        config.alpn_protocols = vec![b"http/1.1".to_vec()];
+        // h2 first: rustls takes the server's order, and kube-scheduler offers both (why: the http
+        // module's notes).
+        config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
         Ok(Arc::new(config))
     }
 }

@@ -61,14 +61,24 @@ scenario_registration() {
 
 scenario_extender_tls() {
   scenario "kube-scheduler reaches the verbs over TLS with its certificate; nobody else does"
-  local before
+  local before h2 h1
   before=$(scorer_calls filter)
+  h2=$(scorer_protocol_calls HTTP/2)
+  h1=$(scorer_protocol_calls HTTP/1.1)
   new_pod tls-a nvidia.com/gpu-mem 1000
   eventually "a gpu-mem pod runs, placed through the TLS port" 60 is_running tls-a
   if [ "$(scorer_calls filter)" -gt "$before" ]; then
     ok "the scheduler's filter calls reached the scorer"
   else
     bad "the scheduler's filter calls reached the scorer" "$before -> $(scorer_calls filter)"
+  fi
+  # Over HTTP/1.1 Go's client keeps 2 idle connections: concurrent binds would each dial (and
+  # handshake) anew. Over HTTP/2 they share one connection.
+  if [ "$(scorer_protocol_calls HTTP/2)" -gt "$h2" ] && [ "$(scorer_protocol_calls HTTP/1.1)" == "$h1" ]; then
+    ok "kube-scheduler calls the scorer over HTTP/2"
+  else
+    bad "kube-scheduler calls the scorer over HTTP/2" \
+      "HTTP/2 $h2 -> $(scorer_protocol_calls HTTP/2), HTTP/1.1 $h1 -> $(scorer_protocol_calls HTTP/1.1)"
   fi
   local bind='{"PodName":"tls-a","PodNamespace":"'$NS'","PodUID":"x","Node":"'$REAL_NODE'"}'
   local port=${SCORER_TLS_ADDR#*:} name=gpumem-scorer.gpumem-system.svc
@@ -177,6 +187,13 @@ inject_nvml() {
 scorer_calls() {
   local n
   n=$(curl -s "http://$SCORER_ADDR/metrics" | sed -n "s/^gpumem_scorer_request_duration_seconds_count{verb=\"$1\"} //p")
+  echo "${n:-0}"
+}
+
+# scorer_protocol_calls VERSION: extender calls the scorer received over HTTP VERSION (HTTP/2, HTTP/1.1).
+scorer_protocol_calls() {
+  local n
+  n=$(curl -s "http://$SCORER_ADDR/metrics" | sed -n "s|^gpumem_scorer_verb_requests_total{protocol=\"$1\"} ||p")
   echo "${n:-0}"
 }
 
