@@ -203,12 +203,12 @@ fn heavy_decisions_leave_health_answering() {
             })
             .collect(),
     );
-    let (addr, _) = runtime.block_on(start(Scorer::new(
-        ScorerConfig::default(),
-        None,
-        Some(cache),
-        None,
-    )));
+    // Every node back from filter: the heaviest answer (no shortlist).
+    let config = ScorerConfig {
+        filter_shortlist: 0,
+        ..ScorerConfig::default()
+    };
+    let (addr, _) = runtime.block_on(start(Scorer::new(config, None, Some(cache), None)));
     let pod = pod_json(
         "train",
         0,

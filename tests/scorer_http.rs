@@ -399,3 +399,76 @@ async fn a_starting_scorer_waits_for_its_caches_instead_of_refusing_every_node()
     assert_eq!(status, 200);
     api.assert_all_granted();
 }
+
+#[tokio::test]
+async fn a_shortlist_hands_back_the_best_ranked_nodes_with_their_scores_among_all() {
+    let names_of = |i: std::ops::Range<u64>| i.map(|i| format!("n{i:02}")).collect::<Vec<_>>();
+    let all = names_of(0..12);
+    let node = |i: u64| -> Node {
+        // 16 GiB each, 1000 MiB more allocated on each next node.
+        serde_json::from_value(node_json(&format!("n{i:02}"), &[g(16384, i * 1000)])).expect("node")
+    };
+    let cache = NodeCache::from_nodes((0..12).map(node));
+    let scorer = |filter_shortlist| {
+        Scorer::new(
+            ScorerConfig {
+                filter_shortlist,
+                ..ScorerConfig::default()
+            },
+            None,
+            Some(cache.clone()),
+            None,
+        )
+    };
+    let (every, _) = start(scorer(0)).await;
+    let (short, _) = start(scorer(3)).await;
+    let args = |pod: &str, mib: u64, names: &[String]| json!({"Pod": pod_json(pod, mib, 0, json!({}), json!({})), "NodeNames": names});
+    let ranked = |r: &Value| -> Vec<(String, i64)> {
+        r.as_array()
+            .expect("HostPriorityList")
+            .iter()
+            .map(|h| {
+                (
+                    h["Host"].as_str().expect("Host").to_string(),
+                    h["Score"].as_i64().expect("Score"),
+                )
+            })
+            .collect()
+    };
+
+    // Without a shortlist every node that fits comes back; its ranking is the reference.
+    let (_, r) = post_json(every, "/filter", &args("p", 4096, &all)).await;
+    assert_eq!(r["NodeNames"], json!(all));
+    let (_, reference) = post_json(every, "/prioritize", &args("p", 4096, &all)).await;
+    let reference = ranked(&reference);
+    let score_of = |name: &str| reference.iter().find(|(n, _)| n == name).expect("ranked").1;
+
+    // With one of 3: three nodes, none ranked below a node left out, and not reported as failures.
+    let (status, r) = post_json(short, "/filter", &args("p", 4096, &all)).await;
+    assert_eq!(status, 200, "{r}");
+    let kept: Vec<String> = serde_json::from_value(r["NodeNames"].clone()).expect("names");
+    assert_eq!(kept.len(), 3, "{r}");
+    let worst_kept = kept.iter().map(|n| score_of(n)).min().expect("kept");
+    let best_left = all
+        .iter()
+        .filter(|n| !kept.contains(n))
+        .map(|n| score_of(n))
+        .max()
+        .expect("left");
+    assert!(worst_kept >= best_left, "kept {kept:?} of {reference:?}");
+    assert!(
+        reference.iter().map(|(_, s)| s).any(|s| *s != worst_kept),
+        "all nodes tie: {reference:?}"
+    );
+    assert_eq!(r["FailedNodes"], json!({}), "{r}");
+    // prioritize answers the shortlist's scores as ranked among all twelve.
+    let (_, scores) = post_json(short, "/prioritize", &args("p", 4096, &kept)).await;
+    let expected: Vec<(String, i64)> = kept.iter().map(|n| (n.clone(), score_of(n))).collect();
+    assert_eq!(ranked(&scores), expected);
+
+    // Fewer nodes fit than the shortlist holds: all of them, and the others failed with a reason.
+    let (_, r) = post_json(short, "/filter", &args("q", 15000, &all)).await;
+    assert_eq!(r["NodeNames"], json!(names_of(0..2)), "{r}");
+    let failed = r["FailedNodes"].as_object().expect("FailedNodes");
+    assert_eq!(failed.len(), 10, "{r}");
+}

@@ -30,6 +30,9 @@ pub struct TypicalEntry {
 /// in six: the deployed limit is 512 Mi.
 pub const DEFAULT_MAX_BODY_BYTES: usize = 16 << 20;
 
+/// The default `filterShortlist`.
+pub const DEFAULT_FILTER_SHORTLIST: usize = 10;
+
 /// The scorer's configuration (`--config`, YAML, camelCase keys; every key optional).
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(default, rename_all = "camelCase", deny_unknown_fields)]
@@ -61,6 +64,10 @@ pub struct ScorerConfig {
     /// The learned mix weighs each pod by how many pods came after it: a pod's weight falls by a
     /// factor e every `mixWindowPods` pods (0: no decay, every pod seen counts the same).
     pub mix_window_pods: f64,
+    /// `filter` hands back at most this many nodes, the ones ranked best (0: every node that fits).
+    /// kube-scheduler scores, and asks `prioritize` about, only those; its own preferences choose
+    /// among them. See `Scorer::shortlist` and docs/scale.md.
+    pub filter_shortlist: usize,
     /// Serve the verbs over TLS to clients with a certificate (`--tls-listen`); see [`TlsFiles`].
     pub tls: Option<TlsFiles>,
 }
@@ -98,6 +105,7 @@ impl Default for ScorerConfig {
                 whole(4, 0.03),
                 whole(8, 0.02),
             ],
+            filter_shortlist: DEFAULT_FILTER_SHORTLIST,
             tls: None,
             mix_window_pods: crate::alloc::MixConfig::default().window,
         }

@@ -3,7 +3,7 @@
 use super::decide::Rejection;
 use super::extender::{ExtenderArgs, ExtenderFilterResult, HostPriorities, NodeList};
 use super::metrics::ReasonLabel;
-use super::state::NodeSnapshot;
+use super::state::{NodeSnapshot, PodDemand};
 use super::{BadRequest, KEPT_CALLS, KEPT_FOR, Kept, Scorer, decide, extender, pod_uid};
 use std::sync::Arc;
 use std::time::Instant;
@@ -17,6 +17,8 @@ impl Scorer {
         let states = self.candidates(&args)?;
         let mut result = ExtenderFilterResult::default();
         let mut keep = vec![true; states.len()];
+        // With a shortlist: the scores `prioritize` is to answer, by position in `states`.
+        let mut scores: Option<Vec<i64>> = None;
         let mut reject = |i: usize, r: Rejection, result: &mut ExtenderFilterResult| {
             keep[i] = false;
             self.metrics
@@ -62,6 +64,10 @@ impl Scorer {
                 {
                     self.workload.observe(&d, d.memory_mib(first.unit_mib));
                 }
+                let shortlist = self.config.filter_shortlist;
+                if shortlist > 0 && keep.iter().filter(|k| **k).count() > shortlist {
+                    scores = Some(self.shortlist(&states, &d, shortlist, &mut keep));
+                }
             }
         }
         if let Some(list) = args.nodes.take() {
@@ -92,10 +98,18 @@ impl Scorer {
             };
             if let Some(pod_uid) = pod_uid(args.pod.as_ref()) {
                 let states = states.into_iter().zip(&keep).filter(|(_, k)| **k).map(|(s, _)| s);
+                let scores = scores.map(|all| {
+                    all.into_iter()
+                        .zip(&keep)
+                        .filter(|(_, k)| **k)
+                        .map(|(s, _)| s)
+                        .collect()
+                });
                 let kept = Kept {
                     pod_uid,
                     names: names.clone(),
                     states: states.collect(),
+                    scores,
                     at: Instant::now(),
                 };
                 let mut all = self.kept.lock().unwrap_or_else(|e| e.into_inner());
@@ -111,14 +125,48 @@ impl Scorer {
         Ok(result)
     }
 
-    /// The states the last `filter` of this pod kept, if `args` lists exactly those names (see [`Kept`]).
-    fn kept_by_filter(&self, args: &ExtenderArgs) -> Option<Vec<Arc<NodeSnapshot>>> {
+    /// Narrows `keep` to the `shortlist` nodes ranked best for `demand` (ties: in the request's order,
+    /// which kube-scheduler rotates from call to call); the nodes left out are not failures. Returns
+    /// each node's score, for `prioritize` to answer as ranked among all the candidates.
+    ///
+    /// Why: kube-scheduler runs its own score plugins on every node `filter` hands back, and sends
+    /// them all to `prioritize` (at 1000 nodes, ~420 names per call, its adaptive
+    /// `percentageOfNodesToScore`): CPU spent to rank nodes whose extender score, weighted, they
+    /// cannot overcome. Its own preferences (affinity, spreading) still choose among the shortlist.
+    fn shortlist(
+        &self,
+        states: &[Arc<NodeSnapshot>],
+        demand: &PodDemand,
+        shortlist: usize,
+        keep: &mut [bool],
+    ) -> Vec<i64> {
+        let mix = self.workload.current();
+        let ranked = decide::prioritize(states, demand, &self.config, &self.policy_cache, &mix);
+        let mut order: Vec<(usize, f64)> = ranked
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| keep[*i])
+            .filter_map(|(i, r)| r.as_ref().map(|r| (i, r.raw)))
+            .collect();
+        // Stable: equal blends keep the request's order.
+        order.sort_by(|a, b| b.1.total_cmp(&a.1));
+        for (i, _) in order.iter().skip(shortlist) {
+            keep[*i] = false;
+        }
+        ranked
+            .iter()
+            .map(|r| r.as_ref().map_or(extender::MIN_EXTENDER_PRIORITY, |r| r.score))
+            .collect()
+    }
+
+    /// What the last `filter` of this pod kept, if `args` lists exactly those names (see [`Kept`]).
+    fn kept_by_filter(&self, args: &ExtenderArgs) -> Option<Kept> {
         let names = args.node_names.as_ref().filter(|_| args.nodes.is_none())?;
         let pod_uid = pod_uid(args.pod.as_ref())?;
         let mut all = self.kept.lock().unwrap_or_else(|e| e.into_inner());
         let at = all.iter().position(|k| k.pod_uid == pod_uid)?;
         let kept = all.remove(at);
-        (kept.names == *names && kept.at.elapsed() < KEPT_FOR).then_some(kept.states)
+        (kept.names == *names && kept.at.elapsed() < KEPT_FOR).then_some(kept)
     }
 
     /// `prioritize`: every candidate node gets a score; nodes that cannot host the pod get 0.
@@ -126,12 +174,15 @@ impl Scorer {
         let start = Instant::now();
         let _span = self.span("prioritize", args.pod.as_ref()).entered();
         let demand = self.demand(args.pod.as_ref())?;
-        let states = match self.kept_by_filter(&args) {
-            Some(states) => states,
-            None => self.candidates(&args)?,
+        let (states, shortlisted) = match self.kept_by_filter(&args) {
+            Some(kept) => (kept.states, kept.scores),
+            None => (self.candidates(&args)?, None),
         };
         let mut scores: Vec<i64> = vec![extender::MIN_EXTENDER_PRIORITY; states.len()];
-        if let Ok(Some(d)) = demand {
+        if let Some(shortlisted) = shortlisted {
+            // Ranked by `filter` among all its candidates, not only among the shortlist.
+            scores = shortlisted;
+        } else if let Ok(Some(d)) = demand {
             let mix = self.workload.current();
             let ranked = decide::prioritize(&states, &d, &self.config, &self.policy_cache, &mix);
             for (score, ranked) in scores.iter_mut().zip(ranked) {

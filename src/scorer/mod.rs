@@ -83,6 +83,8 @@ struct Kept {
     pod_uid: String,
     names: NodeNames,
     states: Vec<Arc<NodeSnapshot>>,
+    /// Their scores, where `filter` ranked the candidates to shortlist them.
+    scores: Option<Vec<i64>>,
     at: Instant,
 }
 
