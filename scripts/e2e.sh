@@ -87,27 +87,6 @@ stop_agent() {
   AGENT_PID=""
 }
 
-# start_scorer: as the chart runs it, its TLS files from `gpumem certs` as the Secret holds them.
-start_scorer() {
-  cat > "$RUN_OUT/scorer.yaml" <<EOF
-tls: {certFile: $CERTS/scorer.crt, keyFile: $CERTS/scorer.key, clientCAFile: $CERTS/ca.crt}
-EOF
-  KUBECONFIG=$RUN_OUT/scorer.kubeconfig RUST_LOG=info,gpumem=debug \
-    "$BIN/gpumem" scorer --listen "$SCORER_ADDR" --tls-listen "$SCORER_TLS_ADDR" \
-    --config "$RUN_OUT/scorer.yaml" >> "$RUN_OUT/scorer.log" 2>&1 &
-  SCORER_PID=$!
-}
-
-# stop_scorer: SIGTERM, as Kubernetes stops it; returns the exit status.
-stop_scorer() {
-  [ -n "$SCORER_PID" ] || return 0
-  kill -TERM "$SCORER_PID" 2> /dev/null
-  local status=0
-  wait "$SCORER_PID" 2> /dev/null || status=$?
-  SCORER_PID=""
-  return $status
-}
-
 # start_claims: the claim controller as its Deployment runs it (POD_NAME and POD_NAMESPACE from the
 # downward API: a restarted container keeps its name, so it takes its own Lease back at once).
 start_claims() {

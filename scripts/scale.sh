@@ -73,23 +73,7 @@ done
 
 SCORER_PID=""
 RUN_OUT=""
-
-start_scorer() {
-  cat > "$RUN_OUT/scorer.yaml" <<EOF
-tls: {certFile: $CERTS/scorer.crt, keyFile: $CERTS/scorer.key, clientCAFile: $CERTS/ca.crt}
-EOF
-  KUBECONFIG=$RUN_OUT/scorer.kubeconfig RUST_LOG=info \
-    "$BIN/gpumem" scorer --listen "$SCORER_ADDR" --tls-listen "$SCORER_TLS_ADDR" \
-    --config "$RUN_OUT/scorer.yaml" >> "$RUN_OUT/scorer.log" 2>&1 &
-  SCORER_PID=$!
-}
-
-stop_scorer() {
-  [ -n "$SCORER_PID" ] || return 0
-  kill -TERM "$SCORER_PID" 2> /dev/null
-  wait "$SCORER_PID" 2> /dev/null
-  SCORER_PID=""
-}
+SCORER_LOG=info # start_scorer (tests/e2e/lib.sh): debug lines would cost the scorer CPU at this rate
 
 cleanup() {
   stop_scorer

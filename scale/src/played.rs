@@ -33,15 +33,8 @@ pub struct NodeModel {
 
 impl NodeModel {
     pub fn new(profile: &str, inventory: GpuInventory) -> Self {
-        let scores = PairScores::new(inventory.gpus.len(), |a, b| {
-            local::pair_score(inventory.topology(a, b), inventory.nvlink_links(a, b))
-        });
-        let by_uuid = inventory
-            .gpus
-            .iter()
-            .enumerate()
-            .map(|(a, g)| (g.uuid.clone(), a))
-            .collect();
+        let scores = PairScores::of(&inventory);
+        let by_uuid = inventory.positions_by_uuid();
         let topology = TopologyAnnotation::new(&inventory, crate::k8s::MEM_UNIT_MIB, |_| true);
         Self {
             profile: profile.to_string(),

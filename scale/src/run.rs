@@ -751,25 +751,20 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     let pods: Api<Pod> = Api::namespaced(client.clone(), &args.namespace);
     let watched = watched(&args);
     let mut sampler = Sampler::new(trace_pods.sizes.clone(), args.seed);
-    let mut phases = Vec::new();
+    let mut phases = Phases {
+        world: &world,
+        client: &client,
+        watched: &watched,
+        stall: Duration::from_secs_f64(args.stall),
+        started,
+        done: Vec::new(),
+        ready_log: Vec::new(),
+    };
     let mut deletes = BTreeMap::new();
-    let mut ready_log = Vec::new();
-    let stall = Duration::from_secs_f64(args.stall);
 
     // a. steady
-    let begin = |phase: usize| {
-        *lock(&world.meter) = Some(PhaseMeter::start(&watched));
-        *lock(&world.current) = Some(phase);
-        Instant::now()
-    };
-    let end_meter = |active_end: Instant| {
-        lock(&world.meter)
-            .take()
-            .map(|m| m.finish(active_end))
-            .unwrap_or_default()
-    };
     {
-        let t = begin(0);
+        let t = phases.begin(0);
         let n = stats::pod_count(args.rate, args.duration);
         let mut tasks = tokio::task::JoinSet::new();
         for i in 0..n {
@@ -778,65 +773,30 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
             tasks.spawn(async move { create_one(&world, &pods, 0, format!("steady-{i:06}"), size).await });
         }
         while tasks.join_next().await.is_some() {}
-        let creation = t.elapsed();
-        let active_end = wait_bound(&world, 0, Instant::now(), stall).await;
-        let procs = end_meter(active_end);
-        let ready = k8s::ready_nodes(&client).await?;
-        ready_log.push((started.elapsed().as_secs_f64(), ready));
-        phases.push(summarize(
-            &world,
-            0,
-            t.elapsed().as_secs_f64(),
-            Some(creation),
-            procs,
-            ready,
-        ));
-        world.closed[0].store(true, Ordering::Relaxed);
+        phases.close(0, t, Duration::ZERO).await?;
         deletes.insert("steady".to_string(), delete_phase(&world, &pods, 0).await?);
     }
     // c. burst
     if args.burst > 0 {
-        let t = begin(1);
+        let t = phases.begin(1);
         let sizes: Vec<Size> = (0..args.burst).map(|_| sampler.next_size()).collect();
         create_all(&world, &pods, 1, "burst", sizes, args.concurrency).await;
-        let creation = t.elapsed();
-        let active_end = wait_bound(&world, 1, Instant::now(), stall).await;
-        let procs = end_meter(active_end);
-        let ready = k8s::ready_nodes(&client).await?;
-        ready_log.push((started.elapsed().as_secs_f64(), ready));
-        phases.push(summarize(
-            &world,
-            1,
-            t.elapsed().as_secs_f64(),
-            Some(creation),
-            procs,
-            ready,
-        ));
-        world.closed[1].store(true, Ordering::Relaxed);
+        phases.close(1, t, Duration::ZERO).await?;
         deletes.insert("burst".to_string(), delete_phase(&world, &pods, 1).await?);
     }
     // e. fill: left bound
     if args.fill > 0 {
-        let t = begin(2);
+        let t = phases.begin(2);
         let sizes = vec![Size::Share { mib: args.fill_mib }; args.fill as usize];
         create_all(&world, &pods, 2, "fill", sizes, args.concurrency).await;
-        let creation = t.elapsed();
-        let active_end = wait_bound(&world, 2, Instant::now(), stall).await;
         // The played agent's last writes reach the scorer before its memory is read.
-        tokio::time::sleep(Duration::from_secs(3)).await;
-        let procs = end_meter(active_end);
-        let ready = k8s::ready_nodes(&client).await?;
-        ready_log.push((started.elapsed().as_secs_f64(), ready));
-        phases.push(summarize(
-            &world,
-            2,
-            t.elapsed().as_secs_f64(),
-            Some(creation),
-            procs,
-            ready,
-        ));
-        world.closed[2].store(true, Ordering::Relaxed);
+        phases.close(2, t, Duration::from_secs(3)).await?;
     }
+    let Phases {
+        done: phases,
+        ready_log,
+        ..
+    } = phases;
     *lock(&world.current) = None;
 
     let node_profiles = mix
@@ -877,6 +837,45 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     write_pods_csv(&world, &args.out.join("pods.csv"))?;
     print!("{}", render(&summary));
     Ok(())
+}
+
+/// The phases run so far, and what each ends with.
+struct Phases<'a> {
+    world: &'a Arc<World>,
+    client: &'a Client,
+    watched: &'a [Watched],
+    stall: Duration,
+    started: Instant,
+    done: Vec<PhaseSummary>,
+    ready_log: Vec<(f64, usize)>,
+}
+
+impl Phases<'_> {
+    /// Starts metering `phase`; its start.
+    fn begin(&self, phase: usize) -> Instant {
+        *lock(&self.world.meter) = Some(PhaseMeter::start(self.watched));
+        *lock(&self.world.current) = Some(phase);
+        Instant::now()
+    }
+
+    /// Ends `phase`, begun at `t`, its creates all sent: waits for its bindings (and `settle` more),
+    /// reads the meters and the Ready nodes, and adds its summary.
+    async fn close(&mut self, phase: usize, t: Instant, settle: Duration) -> anyhow::Result<()> {
+        let creation = t.elapsed();
+        let active_end = wait_bound(self.world, phase, Instant::now(), self.stall).await;
+        tokio::time::sleep(settle).await;
+        let procs = lock(&self.world.meter)
+            .take()
+            .map(|m| m.finish(active_end))
+            .unwrap_or_default();
+        let ready = k8s::ready_nodes(self.client).await?;
+        self.ready_log.push((self.started.elapsed().as_secs_f64(), ready));
+        let wall = t.elapsed().as_secs_f64();
+        self.done
+            .push(summarize(self.world, phase, wall, Some(creation), procs, ready));
+        self.world.closed[phase].store(true, Ordering::Relaxed);
+        Ok(())
+    }
 }
 
 async fn create_all(

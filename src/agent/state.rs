@@ -115,15 +115,8 @@ impl NodeState {
         health_policy: HealthPolicy,
     ) -> Self {
         let n = inventory.gpus.len();
-        let scores = PairScores::new(n, |a, b| {
-            local::pair_score(inventory.topology(a, b), inventory.nvlink_links(a, b))
-        });
-        let by_uuid = inventory
-            .gpus
-            .iter()
-            .enumerate()
-            .map(|(a, g)| (g.uuid.clone(), a))
-            .collect();
+        let scores = PairScores::of(&inventory);
+        let by_uuid = inventory.positions_by_uuid();
         let max_index = inventory.gpus.iter().map(|g| g.index as usize).max().unwrap_or(0);
         let mut position_of_index = vec![None; max_index + 1];
         for (a, g) in inventory.gpus.iter().enumerate() {

@@ -3,7 +3,7 @@
 //! Pure functions over plain numbers, shared by the agent's GetPreferredAllocation and by tests:
 //! whole GPUs by topology ([`best_gpu_set`]), memory on one GPU by best fit ([`best_fit_gpu`]).
 
-use crate::gpu::TopologyLevel;
+use crate::gpu::{GpuInventory, TopologyLevel};
 
 /// How well two GPUs work together: NVLink links dominate, then the PCIe path
 /// (one switch > several switches > host bridge > same NUMA node > across NUMA nodes).
@@ -36,6 +36,13 @@ impl PairScores {
             }
         }
         Self { n, scores }
+    }
+
+    /// The scores of `inventory`'s GPU pairs: PCIe path and NVLink links ([`pair_score`]).
+    pub fn of(inventory: &GpuInventory) -> Self {
+        Self::new(inventory.gpus.len(), |a, b| {
+            pair_score(inventory.topology(a, b), inventory.nvlink_links(a, b))
+        })
     }
 
     pub fn get(&self, a: usize, b: usize) -> u32 {
@@ -247,14 +254,10 @@ pub fn best_fit_gpu(candidates: &[FreeMemory], need: u64) -> Option<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::gpu::GpuInventory;
     use gpumem_profile::Profile;
 
     fn scores_of(profile: &str) -> PairScores {
-        let inv = GpuInventory::discover(&Profile::load(profile).unwrap()).unwrap();
-        PairScores::new(inv.gpus.len(), |a, b| {
-            pair_score(inv.topology(a, b), inv.nvlink_links(a, b))
-        })
+        PairScores::of(&GpuInventory::discover(&Profile::load(profile).unwrap()).unwrap())
     }
 
     #[test]

@@ -118,6 +118,15 @@ impl GpuInventory {
         })
     }
 
+    /// Each GPU's position in [`Self::gpus`], by UUID.
+    pub fn positions_by_uuid(&self) -> std::collections::HashMap<String, usize> {
+        self.gpus
+            .iter()
+            .enumerate()
+            .map(|(a, g)| (g.uuid.clone(), a))
+            .collect()
+    }
+
     /// PCIe relationship of GPUs `a` and `b` (positions in [`Self::gpus`]).
     pub fn topology(&self, a: usize, b: usize) -> TopologyLevel {
         self.topology[a][b]

@@ -13,6 +13,29 @@ use tokio_stream::StreamExt;
 
 use super::state::NodeSnapshot;
 
+/// Feeds each event of a watch of every `K` (narrowed by `config`) to `apply`, on a task of its own,
+/// for as long as the process runs. The watcher relists and retries with backoff; errors are logged.
+pub(super) fn follow<K>(
+    client: Client,
+    config: watcher::Config,
+    what: &'static str,
+    apply: impl Fn(&watcher::Event<K>) + Send + 'static,
+) where
+    K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug + Send + 'static,
+    K::DynamicType: Default,
+{
+    let stream = watcher(Api::<K>::all(client), config).default_backoff();
+    tokio::spawn(async move {
+        let mut stream = std::pin::pin!(stream);
+        while let Some(event) = stream.next().await {
+            match event {
+                Ok(event) => apply(&event),
+                Err(e) => tracing::warn!("{what} watch: {e}"),
+            }
+        }
+    });
+}
+
 /// Whether a cache has applied its first list from the API server (before that, a missing object may just
 /// not be read yet); it can be waited for.
 pub struct Synced(tokio::sync::watch::Sender<bool>);
@@ -68,17 +91,8 @@ impl NodeCache {
     /// Watches all Nodes; the returned cache fills as it lists and watches.
     pub fn start(client: Client) -> Arc<NodeCache> {
         let cache = Arc::new(NodeCache::empty());
-        let stream = watcher(Api::<Node>::all(client), watcher::Config::default()).default_backoff();
         let feed = cache.clone();
-        tokio::spawn(async move {
-            let mut stream = std::pin::pin!(stream);
-            while let Some(event) = stream.next().await {
-                match event {
-                    Ok(event) => feed.apply(&event),
-                    Err(e) => tracing::warn!("node watch: {e}"),
-                }
-            }
-        });
+        follow::<Node>(client, watcher::Config::default(), "node", move |e| feed.apply(e));
         cache
     }
 

@@ -8,9 +8,8 @@ use std::sync::{Arc, OnceLock, RwLock};
 
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::jiff::Timestamp;
-use kube::runtime::{WatchStreamExt, watcher};
-use kube::{Api, Client};
-use tokio_stream::StreamExt;
+use kube::Client;
+use kube::runtime::watcher;
 
 use super::cache::Synced;
 use super::state::{self, ClassRules, Demand};
@@ -166,18 +165,9 @@ impl PodCache {
     /// Watches every pod bound to a node; the returned cache fills as it lists and watches.
     pub fn start(client: Client) -> Arc<PodCache> {
         let config = watcher::Config::default().fields("spec.nodeName!=");
-        let stream = watcher(Api::<Pod>::all(client), config).default_backoff();
         let cache = Arc::new(PodCache::empty(false));
         let feed = cache.clone();
-        tokio::spawn(async move {
-            let mut stream = std::pin::pin!(stream);
-            while let Some(event) = stream.next().await {
-                match event {
-                    Ok(event) => feed.apply(&event),
-                    Err(e) => tracing::warn!("pod watch: {e}"),
-                }
-            }
-        });
+        super::cache::follow::<Pod>(client, config, "pod", move |e| feed.apply(e));
         cache
     }
 

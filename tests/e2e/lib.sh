@@ -200,3 +200,25 @@ scheduler_config() {
     [ "$(grep -c ": $CERTS/" "$RUN_OUT/scheduler.yaml")" == 3 ] &&
     grep -q 'leaderElect: false' "$RUN_OUT/scheduler.yaml"
 }
+
+# start_scorer: as the chart runs it, its TLS files from `gpumem certs` as the Secret holds them; logs
+# at $SCORER_LOG (RUST_LOG syntax).
+start_scorer() {
+  cat > "$RUN_OUT/scorer.yaml" <<YAML
+tls: {certFile: $CERTS/scorer.crt, keyFile: $CERTS/scorer.key, clientCAFile: $CERTS/ca.crt}
+YAML
+  KUBECONFIG=$RUN_OUT/scorer.kubeconfig RUST_LOG=${SCORER_LOG:-info,gpumem=debug} \
+    "$BIN/gpumem" scorer --listen "$SCORER_ADDR" --tls-listen "$SCORER_TLS_ADDR" \
+    --config "$RUN_OUT/scorer.yaml" >> "$RUN_OUT/scorer.log" 2>&1 &
+  SCORER_PID=$!
+}
+
+# stop_scorer: SIGTERM, as Kubernetes stops it; returns the exit status.
+stop_scorer() {
+  [ -n "${SCORER_PID:-}" ] || return 0
+  kill -TERM "$SCORER_PID" 2> /dev/null
+  local status=0
+  wait "$SCORER_PID" 2> /dev/null || status=$?
+  SCORER_PID=""
+  return $status
+}
