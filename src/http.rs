@@ -195,39 +195,26 @@ async fn connection<H, F>(
     let served = if h2 {
         serve_h2(io, limits, phase, handler).await
     } else {
-        serve_http1(io, limits, phase, handler).await
+        let service = hyper::service::service_fn(move |req: Request<Incoming>| {
+            phase.set(BUSY);
+            let reply = handler(req.map(|body| DeadlineBody::new(limits.body_timeout, body)));
+            let phase = Arc::clone(&phase);
+            async move {
+                let reply = reply.await;
+                phase.set(IDLE);
+                Ok::<_, Infallible>(reply)
+            }
+        });
+        http1::Builder::new()
+            .timer(TokioTimer::new())
+            .header_read_timeout(limits.idle_timeout)
+            .serve_connection(TokioIo::new(io), service)
+            .await
     };
     if let Err(e) = served {
         // Timeouts and resets are the client's doing: not worth a line each at the default level.
         tracing::debug!("connection: {e}");
     }
-}
-
-async fn serve_http1<H, F>(
-    io: Box<dyn Io>,
-    limits: Limits,
-    phase: Arc<Phase>,
-    handler: Arc<H>,
-) -> hyper::Result<()>
-where
-    H: Fn(Request<Body>) -> F + Send + Sync + 'static,
-    F: Future<Output = Reply> + Send + 'static,
-{
-    let service = hyper::service::service_fn(move |req: Request<Incoming>| {
-        phase.set(BUSY);
-        let reply = handler(req.map(|body| DeadlineBody::new(limits.body_timeout, body)));
-        let phase = Arc::clone(&phase);
-        async move {
-            let reply = reply.await;
-            phase.set(IDLE);
-            Ok::<_, Infallible>(reply)
-        }
-    });
-    http1::Builder::new()
-        .timer(TokioTimer::new())
-        .header_read_timeout(limits.idle_timeout)
-        .serve_connection(TokioIo::new(io), service)
-        .await
 }
 
 async fn serve_h2<H, F>(

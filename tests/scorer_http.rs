@@ -97,9 +97,8 @@ async fn keys_match_case_insensitively() {
     assert_eq!(names(&r["Nodes"]["items"]), ["one-big"]);
 }
 
-async fn scores(addr: std::net::SocketAddr, pod: &Value, nodes: &[Value]) -> Vec<(String, i64)> {
-    let (status, r) = post_json(addr, "/prioritize", &args_nodes(pod, nodes)).await;
-    assert_eq!(status, 200, "{r}");
+/// A `HostPriorityList` as (host, score) pairs.
+fn host_scores(r: &Value) -> Vec<(String, i64)> {
     r.as_array()
         .expect("HostPriorityList")
         .iter()
@@ -110,6 +109,12 @@ async fn scores(addr: std::net::SocketAddr, pod: &Value, nodes: &[Value]) -> Vec
             )
         })
         .collect()
+}
+
+async fn scores(addr: std::net::SocketAddr, pod: &Value, nodes: &[Value]) -> Vec<(String, i64)> {
+    let (status, r) = post_json(addr, "/prioritize", &args_nodes(pod, nodes)).await;
+    assert_eq!(status, 200, "{r}");
+    host_scores(&r)
 }
 
 #[tokio::test]
@@ -327,38 +332,27 @@ async fn prioritize_ranks_the_states_filter_checked() {
     ))
     .await;
     let args = |pod: &str, names: &[&str]| json!({"Pod": pod_json(pod, 4096, 0, json!({}), json!({})), "Nodes": null, "NodeNames": names});
-    let ranked = |r: &Value| -> Vec<(String, i64)> {
-        let list = r.as_array().expect("HostPriorityList");
-        list.iter()
-            .map(|h| {
-                (
-                    h["Host"].as_str().expect("Host").to_string(),
-                    h["Score"].as_i64().expect("Score"),
-                )
-            })
-            .collect()
-    };
     let (status, r) = post_json(addr, "/filter", &args("p1", &["a", "b", "c"])).await;
     assert_eq!(status, 200, "{r}");
     assert_eq!(r["NodeNames"], json!(["a", "b"]));
     let (_, before) = post_json(addr, "/prioritize", &args("p0", &["a", "b"])).await;
-    let before = ranked(&before);
+    let before = host_scores(&before);
     assert!(before.iter().all(|(_, s)| *s > 0), "{before:?}");
 
     // "b" fills up between p1's filter and prioritize: p1 is still ranked on what its filter saw...
     cache.apply(&kube::runtime::watcher::Event::Apply(node("b", 16384)));
     let (_, during) = post_json(addr, "/prioritize", &args("p1", &["a", "b"])).await;
-    assert_eq!(ranked(&during), before);
+    assert_eq!(host_scores(&during), before);
     // ...once: the next call, and any other pod, sees the node as it is now.
     for pod in ["p1", "p2"] {
         let (_, after) = post_json(addr, "/prioritize", &args(pod, &["a", "b"])).await;
-        assert_eq!(ranked(&after)[1], ("b".to_string(), 0), "{pod}");
+        assert_eq!(host_scores(&after)[1], ("b".to_string(), 0), "{pod}");
     }
     // Other names than filter kept: looked up.
     let (status, r) = post_json(addr, "/filter", &args("p3", &["a", "b", "c"])).await;
     assert_eq!((status, &r["NodeNames"]), (200, &json!(["a"])));
     let (_, other) = post_json(addr, "/prioritize", &args("p3", &["a", "c"])).await;
-    assert_eq!(ranked(&other)[1], ("c".to_string(), 0));
+    assert_eq!(host_scores(&other)[1], ("c".to_string(), 0));
 }
 
 #[tokio::test]
@@ -423,24 +417,12 @@ async fn a_shortlist_hands_back_the_best_ranked_nodes_with_their_scores_among_al
     let (every, _) = start(scorer(0)).await;
     let (short, _) = start(scorer(3)).await;
     let args = |pod: &str, mib: u64, names: &[String]| json!({"Pod": pod_json(pod, mib, 0, json!({}), json!({})), "NodeNames": names});
-    let ranked = |r: &Value| -> Vec<(String, i64)> {
-        r.as_array()
-            .expect("HostPriorityList")
-            .iter()
-            .map(|h| {
-                (
-                    h["Host"].as_str().expect("Host").to_string(),
-                    h["Score"].as_i64().expect("Score"),
-                )
-            })
-            .collect()
-    };
 
     // Without a shortlist every node that fits comes back; its ranking is the reference.
     let (_, r) = post_json(every, "/filter", &args("p", 4096, &all)).await;
     assert_eq!(r["NodeNames"], json!(all));
     let (_, reference) = post_json(every, "/prioritize", &args("p", 4096, &all)).await;
-    let reference = ranked(&reference);
+    let reference = host_scores(&reference);
     let score_of = |name: &str| reference.iter().find(|(n, _)| n == name).expect("ranked").1;
 
     // With one of 3: three nodes, none ranked below a node left out, and not reported as failures.
@@ -464,7 +446,7 @@ async fn a_shortlist_hands_back_the_best_ranked_nodes_with_their_scores_among_al
     // prioritize answers the shortlist's scores as ranked among all twelve.
     let (_, scores) = post_json(short, "/prioritize", &args("p", 4096, &kept)).await;
     let expected: Vec<(String, i64)> = kept.iter().map(|n| (n.clone(), score_of(n))).collect();
-    assert_eq!(ranked(&scores), expected);
+    assert_eq!(host_scores(&scores), expected);
 
     // Fewer nodes fit than the shortlist holds: all of them, and the others failed with a reason.
     let (_, r) = post_json(short, "/filter", &args("q", 15000, &all)).await;

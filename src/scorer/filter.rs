@@ -131,8 +131,10 @@ impl Scorer {
     ///
     /// Why: kube-scheduler runs its own score plugins on every node `filter` hands back, and sends
     /// them all to `prioritize` (at 1000 nodes, ~420 names per call, its adaptive
-    /// `percentageOfNodesToScore`): CPU spent to rank nodes whose extender score, weighted, they
-    /// cannot overcome. Its own preferences (affinity, spreading) still choose among the shortlist.
+    /// `percentageOfNodesToScore`). Each point of the extender's 0..10 is worth 50 of its node score
+    /// (weight 5), so a node ranked well below the best rarely wins there: CPU spent for little. Its
+    /// own preferences (affinity, spreading) still choose among the shortlist. In the `Nodes` form
+    /// (no [`Kept`]) `prioritize` ranks the shortlist again, among itself.
     fn shortlist(
         &self,
         states: &[Arc<NodeSnapshot>],
