@@ -1,5 +1,5 @@
-//! Generates the Rust code for the kubelet's gRPC APIs (Device Plugin v1beta1 and Pod Resources
-//! v1) from `proto/`.
+//! Generates the Rust code for the kubelet's gRPC APIs (Device Plugin v1beta1, Pod Resources v1, the
+//! DRA plugin API v1 and plugin registration v1) from `proto/`.
 //!
 //! The `.proto` files are parsed by `protox`, a pure-Rust protobuf compiler, into a
 //! `FileDescriptorSet`, which `tonic-prost-build` turns into prost messages plus tonic clients and
@@ -11,7 +11,12 @@ use std::path::Path;
 const PROTO_ROOT: &str = "proto";
 
 /// The files to compile, relative to [`PROTO_ROOT`].
-const PROTOS: &[&str] = &["deviceplugin/v1beta1/api.proto", "podresources/v1/api.proto"];
+const PROTOS: &[&str] = &[
+    "deviceplugin/v1beta1/api.proto",
+    "podresources/v1/api.proto",
+    "dra/v1/api.proto",
+    "pluginregistration/v1/api.proto",
+];
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("cargo:rerun-if-changed={PROTO_ROOT}");

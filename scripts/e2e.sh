@@ -4,15 +4,19 @@
 #
 #   sudo scripts/e2e.sh
 #
-# For each kubelet of the kit (the stock 1.24 one, which sends the socket path as HTTP/2 :authority,
-# and the one with the 1.26 `localhost` change) it starts a fresh cluster and sets it up as a user
-# would: the project's RBAC from deploy/manifests/base, the agent and the scorer as their service
+# For each cluster of the kit it serves (Kubernetes 1.24 with its stock kubelet, which sends the socket
+# path as HTTP/2 :authority; 1.24 with the kubelet that has the 1.26 `localhost` change; Kubernetes 1.36
+# with containerd 2.3 and CDI) it starts a fresh cluster and sets it up as a user would: the project's RBAC from deploy/manifests/base, the agent and the scorer as their service
 # accounts (tokens from `kubectl create token`), the GPUClaim CRD and its controller, certificates from `gpumem certs`, the project's
 # scheduler configuration pointed at the scorer's TLS port with the scheduler's client certificate, the shim where the DaemonSet's init container puts it, the agent on a simulated node through
 # the fake NVML, two API-only nodes carrying what an agent publishes. Then it runs the scenarios of
 # tests/e2e/scenarios.sh and prints `N passed, N failed`.
 #
-# Environment: GPUMEM_K8S_KIT (the kit; ../shared/k8s), GPUMEM_E2E_KUBELETS ("stock localhost-authority"),
+# On 1.36 the same node then moves to the DRA path (the agent restarted with `mode: dra`) and the DRA
+# scenarios run.
+#
+# Environment: GPUMEM_K8S_KIT (the kit; ../shared/k8s), GPUMEM_E2E_CLUSTERS (VERSION/KUBELET pairs;
+# "1.24/stock 1.24/localhost-authority 1.36/stock"),
 # GPUMEM_E2E_OUT (logs; target/e2e), K8S_STATE (the kit's state dir; /tmp/gpumem-e2e),
 # GPUMEM_E2E_SCENARIOS (a space-separated subset of the scenario names, for debugging), GPUMEM_E2E_KEEP=1
 # (leave the last cluster, agent and scorer running to look around; the kit's down.sh stops the cluster).
@@ -23,7 +27,7 @@ KIT=$(cd "${GPUMEM_K8S_KIT:-$ROOT/../shared/k8s}" 2> /dev/null && pwd) || {
   echo "error: the Kubernetes kit is not at ${GPUMEM_K8S_KIT:-$ROOT/../shared/k8s} (set GPUMEM_K8S_KIT)" >&2
   exit 2
 }
-KUBELETS=${GPUMEM_E2E_KUBELETS:-stock localhost-authority}
+CLUSTERS=${GPUMEM_E2E_CLUSTERS:-1.24/stock 1.24/localhost-authority 1.36/stock}
 OUT=${GPUMEM_E2E_OUT:-$ROOT/target/e2e}
 export K8S_STATE=${K8S_STATE:-/tmp/gpumem-e2e}
 if [ "$(id -u)" != 0 ]; then
@@ -126,10 +130,13 @@ cleanup() {
   [ -z "${RUN_OUT:-}" ] || "$KIT/down.sh" > "$RUN_OUT/down.log" 2>&1
 }
 
-# run_cluster KUBELET_KIND: one fresh cluster with that kubelet, every scenario.
+# run_cluster VERSION KUBELET: one fresh cluster of that Kubernetes version with that kubelet, every
+# scenario.
 run_cluster() {
-  KUBELET_KIND=$1
-  RUN_OUT=$OUT/$KUBELET_KIND
+  export K8S_VERSION=$1
+  KUBELET=$2
+  KUBELET_KIND=$1/$2
+  RUN_OUT=$OUT/$1-$2
   rm -rf "$RUN_OUT"
   mkdir -p "$RUN_OUT" "$SHIM_DEST"
   ADMIN_KUBECONFIG=$K8S_STATE/admin.kubeconfig
@@ -137,19 +144,19 @@ run_cluster() {
   log "== [$KUBELET_KIND] cluster up (logs: $RUN_OUT, $K8S_STATE/logs)"
   # A cluster left by an interrupted run would make up.sh refuse to start.
   pkill -f "$BIN/gpumem (agent|scorer|claims)" # left by a run with GPUMEM_E2E_KEEP=1
-  "$KIT/down.sh" > /dev/null 2>&1
+  env -u K8S_VERSION "$KIT/down.sh" > /dev/null 2>&1
   CERTS=$RUN_OUT/certs
   "$BIN/gpumem" certs --out "$CERTS" > "$RUN_OUT/certs.log" 2>&1 ||
     { bad "gpumem certs" "$(cat "$RUN_OUT/certs.log")"; return; }
   scheduler_config || { bad "scheduler configuration rendered" "see $RUN_OUT/scheduler.yaml"; return; }
-  if ! KUBELET=$KUBELET_KIND SCHEDULER_CONFIG=$RUN_OUT/scheduler.yaml EXTRA_NODES=2 \
+  if ! KUBELET=$KUBELET SCHEDULER_CONFIG=$RUN_OUT/scheduler.yaml EXTRA_NODES=2 \
     EXTRA_NODE_TAINT=harness.local/fake-node=true:NoSchedule \
     EXTRA_NODE_CAPACITY='{"nvidia.com/gpu":"8","nvidia.com/gpu-mem":"655360"}' \
     "$KIT/up.sh" > "$RUN_OUT/up.log" 2>&1; then
     bad "the kit's cluster starts" "see $RUN_OUT/up.log"
     return
   fi
-  ok "cluster up with the $KUBELET_KIND kubelet"
+  ok "Kubernetes $K8S_VERSION up with the $KUBELET kubelet"
 
   # The shim, installed as the init container does: a new file, then a rename.
   cp "$BIN/libgpumem_cuda.so" "$SHIM_DEST/.libgpumem_cuda.so.new" &&
@@ -181,7 +188,7 @@ run_cluster() {
   start_scorer
   start_agent
   start_claims
-  for s in ${GPUMEM_E2E_SCENARIOS:-$ALL_SCENARIOS}; do
+  for s in ${GPUMEM_E2E_SCENARIOS:-$(scenarios_for "$K8S_VERSION")}; do
     "scenario_$s"
   done
   cleanup
@@ -189,8 +196,8 @@ run_cluster() {
 
 trap 'exit 130' INT TERM
 trap cleanup EXIT
-for kind in $KUBELETS; do
-  run_cluster "$kind"
+for cluster in $CLUSTERS; do
+  run_cluster "${cluster%%/*}" "${cluster#*/}"
 done
 
 log "e2e finished in $((SECONDS - started)) s (logs: $OUT)"

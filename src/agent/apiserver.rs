@@ -55,6 +55,11 @@ impl ApiServer {
         })
     }
 
+    /// The client, for the DRA driver's calls.
+    pub fn client(&self) -> Client {
+        self.client.clone()
+    }
+
     fn node_ref(&self) -> ObjectReference {
         ObjectReference {
             api_version: Some("v1".into()),

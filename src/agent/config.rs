@@ -33,6 +33,49 @@ pub enum MemoryLimits {
     Off,
 }
 
+/// How the node's GPUs reach the kubelet. A node serves them one way, never both: two paths handing
+/// out the same GPUs would each think the other's memory free.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Mode {
+    /// The kubelet's Device Plugin API: `nvidia.com/gpu` and `nvidia.com/gpu-mem` (any Kubernetes).
+    DevicePlugin,
+    /// Dynamic Resource Allocation (Kubernetes 1.34+, consumable capacity): a ResourceSlice with one
+    /// device per GPU whose memory is consumable, and the kubelet's DRA plugin API.
+    Dra,
+}
+
+/// The DRA driver's settings (`dra:` in the file).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DraConfig {
+    /// The driver's name: ResourceSlices, DeviceClasses and claims' results carry it.
+    pub driver_name: String,
+    /// Directory of the kubelet's plugin registry (the watcher finds our registration socket there).
+    pub registry_dir: PathBuf,
+    /// Directory of the driver's own socket (`<pluginDir>/<driverName>/dra.sock`).
+    pub plugin_dir: PathBuf,
+    /// Where the container runtime reads CDI specs from (containerd and CRI-O: `/var/run/cdi`).
+    pub cdi_dir: PathBuf,
+}
+
+impl Default for DraConfig {
+    fn default() -> Self {
+        Self {
+            driver_name: crate::plugin::proto::DRA_DRIVER_NAME.into(),
+            registry_dir: crate::plugin::proto::PLUGIN_REGISTRY_DIR.into(),
+            plugin_dir: crate::plugin::proto::DRA_PLUGIN_DIR.into(),
+            cdi_dir: "/var/run/cdi".into(),
+        }
+    }
+}
+
+impl DraConfig {
+    /// The socket the kubelet calls NodePrepareResources on.
+    pub fn endpoint(&self) -> PathBuf {
+        self.plugin_dir.join(&self.driver_name).join("dra.sock")
+    }
+}
+
 /// XIDs caused by applications rather than the GPU (NVIDIA's k8s-device-plugin skips the same set):
 /// 13 graphics engine exception, 31 memory page fault, 43 channel stopped, 45 preemptive cleanup,
 /// 68 video processor exception, 109 context switch timeout.
@@ -41,6 +84,8 @@ pub const DEFAULT_IGNORED_XIDS: &[u64] = &[13, 31, 43, 45, 68, 109];
 /// Everything the agent needs to know, after the file and the flags are merged.
 #[derive(Debug, Clone, PartialEq)]
 pub struct AgentConfig {
+    pub mode: Mode,
+    pub dra: DraConfig,
     pub mem_unit_mib: u64,
     pub gpu_resource: String,
     pub mem_resource: String,
@@ -69,6 +114,8 @@ pub struct AgentConfig {
 impl Default for AgentConfig {
     fn default() -> Self {
         Self {
+            mode: Mode::DevicePlugin,
+            dra: DraConfig::default(),
             mem_unit_mib: 1,
             gpu_resource: GPU_RESOURCE.into(),
             mem_resource: MEM_RESOURCE.into(),
@@ -94,6 +141,8 @@ impl Default for AgentConfig {
 #[derive(Debug, Default, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 struct FileConfig {
+    mode: Option<Mode>,
+    dra: Option<DraFile>,
     #[serde(rename = "memUnitMiB")]
     mem_unit_mib: Option<u64>,
     resource_names: Option<ResourceNames>,
@@ -107,6 +156,15 @@ struct FileConfig {
     memory_limits: Option<MemoryLimits>,
     state_dir: Option<PathBuf>,
     shim_path: Option<PathBuf>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct DraFile {
+    driver_name: Option<String>,
+    registry_dir: Option<PathBuf>,
+    plugin_dir: Option<PathBuf>,
+    cdi_dir: Option<PathBuf>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -130,6 +188,19 @@ pub struct AgentArgs {
     /// YAML config file (keys documented in the README).
     #[arg(long, value_name = "FILE")]
     pub config: Option<PathBuf>,
+    /// How the GPUs reach the kubelet: device plugins, or a DRA driver (Kubernetes 1.34+)
+    /// [default: device-plugin].
+    #[arg(long, value_enum)]
+    pub mode: Option<Mode>,
+    /// DRA: the kubelet's plugin registry directory [default: /var/lib/kubelet/plugins_registry].
+    #[arg(long, value_name = "DIR")]
+    pub dra_registry_dir: Option<PathBuf>,
+    /// DRA: directory of the driver's socket [default: /var/lib/kubelet/plugins].
+    #[arg(long, value_name = "DIR")]
+    pub dra_plugin_dir: Option<PathBuf>,
+    /// DRA: directory the container runtime reads CDI specs from [default: /var/run/cdi].
+    #[arg(long, value_name = "DIR")]
+    pub cdi_dir: Option<PathBuf>,
     /// Memory unit of nvidia.com/gpu-mem, in MiB [default: 1].
     #[arg(long)]
     pub mem_unit_mib: Option<u64>,
@@ -180,6 +251,10 @@ impl AgentConfig {
         if let Some(path) = &args.config {
             config.apply_file(path)?;
         }
+        set(&mut config.mode, args.mode);
+        set(&mut config.dra.registry_dir, args.dra_registry_dir.clone());
+        set(&mut config.dra.plugin_dir, args.dra_plugin_dir.clone());
+        set(&mut config.dra.cdi_dir, args.cdi_dir.clone());
         set(&mut config.mem_unit_mib, args.mem_unit_mib);
         set(&mut config.device_plugin_dir, args.device_plugin_dir.clone());
         set(
@@ -221,6 +296,12 @@ impl AgentConfig {
             .with_context(|| format!("config {} is not valid", path.display()))?;
         let names = file.resource_names.unwrap_or_default();
         let health = file.health.unwrap_or_default();
+        let dra = file.dra.unwrap_or_default();
+        set(&mut self.mode, file.mode);
+        set(&mut self.dra.driver_name, dra.driver_name);
+        set(&mut self.dra.registry_dir, dra.registry_dir);
+        set(&mut self.dra.plugin_dir, dra.plugin_dir);
+        set(&mut self.dra.cdi_dir, dra.cdi_dir);
         if let Some(v) = file.mem_unit_mib {
             self.mem_unit_mib = v;
         }
@@ -276,6 +357,12 @@ impl AgentConfig {
             if let Err(why) = crate::names::check_extended_resource_name(name) {
                 anyhow::bail!("{key}: {name:?} is not a valid extended resource name: {why}");
             }
+        }
+        if let Err(why) = crate::names::check_subdomain(&self.dra.driver_name) {
+            anyhow::bail!(
+                "dra.driverName: {:?} is not a valid driver name (a DNS subdomain): {why}",
+                self.dra.driver_name
+            );
         }
         anyhow::ensure!(
             !self.pod_resources_poll.is_zero(),

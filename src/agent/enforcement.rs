@@ -66,9 +66,19 @@ impl Enforcement {
         format!("g{gpu_index}-u{}", units.iter().min().copied().unwrap_or(0))
     }
 
+    /// The name of the allocation a prepared DRA claim holds on GPU `gpu_index`: the claim's UID
+    /// names it as the first unit does on the device-plugin path.
+    pub fn claim_allocation_name(gpu_index: u32, claim_uid: &str) -> String {
+        format!("g{gpu_index}-c{claim_uid}")
+    }
+
     /// The GPU index an allocation name carries.
     pub fn gpu_index_of(allocation: &str) -> Option<u32> {
-        allocation.strip_prefix('g')?.split_once("-u")?.0.parse().ok()
+        let (index, rest) = allocation.strip_prefix('g')?.split_once('-')?;
+        if !(rest.starts_with('u') || rest.starts_with('c')) {
+            return None;
+        }
+        index.parse().ok()
     }
 
     /// Mounts and environment for a new container's allocation; starts its accounting afresh.
@@ -80,6 +90,13 @@ impl Enforcement {
         }
         std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
         self.rejected().remove(allocation);
+        Ok(self.edits(allocation))
+    }
+
+    /// Mounts and environment of an allocation's containers, touching nothing: what a restarted
+    /// agent hands out again for a container that already runs.
+    pub fn edits(&self, allocation: &str) -> (Vec<Mount>, HashMap<String, String>) {
+        let dir = self.containers.join(allocation);
         let mount = |host: &Path, container: &str, read_only| Mount {
             container_path: container.into(),
             host_path: host.display().to_string(),
@@ -94,7 +111,13 @@ impl Enforcement {
             (ACCOUNTING_ENV.to_string(), ACCOUNTING_CONTAINER_DIR.to_string()),
             (DEVICE_ORDER_ENV.to_string(), "PCI_BUS_ID".to_string()),
         ]);
-        Ok((mounts, envs))
+        (mounts, envs)
+    }
+
+    /// Makes an allocation's accounting directory if it is missing (a restart keeps what is there).
+    pub fn ensure(&self, allocation: &str) -> anyhow::Result<()> {
+        let dir = self.containers.join(allocation);
+        std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))
     }
 
     /// Removes the accounting directories of allocations that are no longer live.
@@ -179,6 +202,10 @@ mod tests {
         assert_eq!(name, "g2-u5");
         assert_eq!(Enforcement::gpu_index_of(&name), Some(2));
         assert_eq!(Enforcement::gpu_index_of("stray"), None);
+        let claim = Enforcement::claim_allocation_name(3, "0b1c-77");
+        assert_eq!(claim, "g3-c0b1c-77");
+        assert_eq!(Enforcement::gpu_index_of(&claim), Some(3));
+        assert_eq!(Enforcement::gpu_index_of("g3-x1"), None);
         let (mounts, envs) = enforcement.container(&name).unwrap();
         assert_eq!(mounts.len(), 3);
         assert!(mounts[0].read_only && mounts[1].read_only && !mounts[2].read_only);

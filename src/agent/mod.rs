@@ -3,7 +3,9 @@
 //! handed out.
 
 pub mod apiserver;
+pub mod cdi;
 pub mod config;
+pub mod dra;
 pub mod enforcement;
 mod health;
 pub mod metrics;
@@ -24,7 +26,7 @@ use crate::plugin::proto::KUBELET_MAX_RECV_BYTES;
 use crate::plugin::registration;
 use crate::plugin::server::Plugin;
 use apiserver::ApiServer;
-pub use config::{AgentArgs, AgentConfig, MemoryLimits};
+pub use config::{AgentArgs, AgentConfig, MemoryLimits, Mode};
 use enforcement::Enforcement;
 use resource::{NodeResource, ResourceKind};
 use state::{HealthPolicy, NodeState};
@@ -146,17 +148,111 @@ async fn serve(config: AgentConfig) -> anyhow::Result<()> {
 
     let (shutdown_tx, shutdown_rx) = watch::channel(false);
     let mut plugins = JoinSet::new();
+    match config.mode {
+        Mode::Dra => {
+            let (Some(api_server), Some(node)) = (&api_server, &config.node_name) else {
+                anyhow::bail!(
+                    "mode dra needs the API server (the claims' allocations are there) and --node-name                      (NODE_NAME): neither may be missing"
+                );
+            };
+            let client = api_server.client();
+            let driver = Arc::new(dra::DraDriver::start(
+                &config.dra,
+                node.clone(),
+                Arc::clone(&state),
+                Arc::new(client.clone()),
+                enforcement.clone(),
+                config.device_list_strategy,
+                Arc::clone(&metrics),
+                &config.state_dir,
+            )?);
+            let sysfs = nvml.is_some().then(|| std::path::Path::new("/sys"));
+            let roots = crate::gpu::pcie_roots(&state.inventory, sysfs);
+            tokio::spawn(dra::publish_slice(
+                client,
+                Arc::clone(&state),
+                config.dra.driver_name.clone(),
+                node.clone(),
+                roots,
+            ));
+            plugins.spawn(crate::plugin::dra::run(
+                driver,
+                crate::plugin::dra::DraSockets::new(
+                    &config.dra.driver_name,
+                    config.dra.endpoint(),
+                    &config.dra.registry_dir,
+                ),
+                Arc::clone(&liveness),
+                shutdown_rx.clone(),
+            ));
+        }
+        Mode::DevicePlugin => {
+            if let (Some(api_server), Some(node)) = (&api_server, &config.node_name) {
+                // A slice left by the DRA path would offer the same GPUs twice.
+                if let Err(err) = dra::delete_slice(api_server.client(), &config.dra.driver_name, node).await
+                {
+                    tracing::debug!(error = %format!("{err:#}"), "no ResourceSlice of the DRA path removed");
+                }
+            }
+            serve_device_plugins(
+                &config,
+                &state,
+                &pod_resources,
+                &enforcement,
+                &api_server,
+                &metrics,
+                &liveness,
+                &mut plugins,
+                &shutdown_rx,
+            )
+            .await;
+        }
+    }
+
+    let mut terminate = signal(SignalKind::terminate())?;
+    let outcome = tokio::select! {
+        _ = terminate.recv() => { tracing::info!("SIGTERM: stopping"); Ok(()) }
+        _ = tokio::signal::ctrl_c() => { tracing::info!("interrupted: stopping"); Ok(()) }
+        Some(ended) = plugins.join_next() => match ended {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(err)) => Err(err),
+            Err(err) => Err(anyhow::anyhow!("device plugin task failed: {err}")),
+        },
+        Some(ended) = async { Some(metrics_server.as_mut()?.await) } => match ended {
+            Ok(Err(err)) => Err(err),
+            Ok(Ok(())) => Err(anyhow::anyhow!("the metrics server stopped")),
+            Err(err) => Err(anyhow::anyhow!("metrics server task failed: {err}")),
+        },
+    };
+    let _ = shutdown_tx.send(true);
+    while plugins.join_next().await.is_some() {}
+    outcome
+}
+
+/// The two device plugins (`nvidia.com/gpu`, `nvidia.com/gpu-mem`), each registered with the kubelet.
+#[allow(clippy::too_many_arguments)]
+async fn serve_device_plugins(
+    config: &AgentConfig,
+    state: &Arc<NodeState>,
+    pod_resources: &Arc<PodResources>,
+    enforcement: &Option<Arc<Enforcement>>,
+    api_server: &Option<Arc<ApiServer>>,
+    metrics: &Arc<metrics::AgentMetrics>,
+    liveness: &Arc<Liveness>,
+    plugins: &mut JoinSet<anyhow::Result<()>>,
+    shutdown_rx: &watch::Receiver<bool>,
+) {
     let plugin = |kind| Plugin {
         source: Arc::new(NodeResource {
             kind,
-            state: Arc::clone(&state),
+            state: Arc::clone(state),
             refresher: pod_resources.clone(),
             strategy: config.device_list_strategy,
             enforcement: enforcement.clone(),
             api_server: api_server.clone(),
-            metrics: Arc::clone(&metrics),
+            metrics: Arc::clone(metrics),
         }),
-        liveness: Arc::clone(&liveness),
+        liveness: Arc::clone(liveness),
     };
     plugins.spawn(registration::run(
         plugin(ResourceKind::Whole),
@@ -193,25 +289,6 @@ async fn serve(config: AgentConfig) -> anyhow::Result<()> {
             shutdown_rx.clone(),
         ));
     }
-
-    let mut terminate = signal(SignalKind::terminate())?;
-    let outcome = tokio::select! {
-        _ = terminate.recv() => { tracing::info!("SIGTERM: stopping"); Ok(()) }
-        _ = tokio::signal::ctrl_c() => { tracing::info!("interrupted: stopping"); Ok(()) }
-        Some(ended) = plugins.join_next() => match ended {
-            Ok(Ok(())) => Ok(()),
-            Ok(Err(err)) => Err(err),
-            Err(err) => Err(anyhow::anyhow!("device plugin task failed: {err}")),
-        },
-        Some(ended) = async { Some(metrics_server.as_mut()?.await) } => match ended {
-            Ok(Err(err)) => Err(err),
-            Ok(Ok(())) => Err(anyhow::anyhow!("the metrics server stopped")),
-            Err(err) => Err(anyhow::anyhow!("metrics server task failed: {err}")),
-        },
-    };
-    let _ = shutdown_tx.send(true);
-    while plugins.join_next().await.is_some() {}
-    outcome
 }
 
 /// One warning per GPU whose memory is smaller than one unit (it offers no memory device); an error
@@ -254,11 +331,15 @@ async fn forget_gone_containers(
 ) {
     loop {
         tokio::time::sleep(every).await;
-        let live = state
+        let units = state
             .live_mem_allocations()
             .into_iter()
-            .map(|(gpu, unit)| Enforcement::allocation_name(gpu, &[unit]))
-            .collect();
+            .map(|(gpu, unit)| Enforcement::allocation_name(gpu, &[unit]));
+        let claims = state
+            .claimed_memory()
+            .into_iter()
+            .map(|(uid, gpu)| Enforcement::claim_allocation_name(gpu, &uid));
+        let live = units.chain(claims).collect();
         enforcement.forget_all_but(&live);
     }
 }

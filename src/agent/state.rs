@@ -40,6 +40,8 @@ struct GpuAllocation {
     whole: BTreeSet<String>,
     /// Memory unit numbers in use, and by whom.
     units: BTreeMap<u64, String>,
+    /// Memory held by prepared DRA claims: claim UID -> (owner, MiB).
+    claimed: BTreeMap<String, (String, u64)>,
 }
 
 #[derive(Debug, Clone)]
@@ -74,6 +76,27 @@ struct Inner {
     /// Each listed container's memory allocation: (GPU index, lowest unit).
     listed_mem: BTreeSet<(u32, u64)>,
     pending: Vec<Pending>,
+    /// Prepared DRA claims, by UID.
+    claims: BTreeMap<String, PreparedClaim>,
+}
+
+/// How much of one GPU a prepared DRA claim holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub enum Share {
+    /// The whole GPU (the claim consumed all of its memory).
+    Whole,
+    /// This much memory, in MiB.
+    Mib(u64),
+}
+
+/// A DRA claim the kubelet had prepared: an allocation like an Allocate's, by another path.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PreparedClaim {
+    /// Who holds it, as the usage annotation shows it (`namespace/pod`).
+    pub owner: String,
+    /// Per GPU position, its share.
+    pub shares: Vec<(usize, Share)>,
 }
 
 /// Health policy.
@@ -127,6 +150,7 @@ impl NodeState {
             listed: vec![GpuAllocation::default(); n],
             listed_mem: BTreeSet::new(),
             pending: Vec::new(),
+            claims: BTreeMap::new(),
         };
         Self {
             inventory,
@@ -195,11 +219,23 @@ impl NodeState {
                 }
             }
         }
+        for (uid, claim) in &inner.claims {
+            for &(gpu, share) in &claim.shares {
+                match share {
+                    Share::Whole => {
+                        all[gpu].whole.insert(claim.owner.clone());
+                    }
+                    Share::Mib(mib) => {
+                        all[gpu].claimed.insert(uid.clone(), (claim.owner.clone(), mib));
+                    }
+                }
+            }
+        }
         all
     }
 
     /// Per GPU, what decisions and device lists depend on; cheap (no clone of the unit maps).
-    fn occupancy(inner: &Inner) -> Vec<Occupancy> {
+    fn occupancy(inner: &Inner, unit_mib: u64) -> Vec<Occupancy> {
         let mut occ: Vec<Occupancy> = inner
             .listed
             .iter()
@@ -212,6 +248,14 @@ impl NodeState {
             match &p.kind {
                 PendingKind::Whole => occ[p.gpu].whole = true,
                 PendingKind::Units(units) => occ[p.gpu].units += units.len() as u64,
+            }
+        }
+        for claim in inner.claims.values() {
+            for &(gpu, share) in &claim.shares {
+                match share {
+                    Share::Whole => occ[gpu].whole = true,
+                    Share::Mib(mib) => occ[gpu].units += mib.div_ceil(unit_mib),
+                }
             }
         }
         occ
@@ -234,7 +278,7 @@ impl NodeState {
     /// Per GPU, whether its whole-GPU device is Healthy: all the `nvidia.com/gpu` list depends on.
     pub fn gpus_offered(&self) -> Vec<bool> {
         let inner = self.lock();
-        let occ = Self::occupancy(&inner);
+        let occ = Self::occupancy(&inner, self.unit_mib);
         (0..occ.len())
             .map(|a| inner.health[a] == Health::Healthy && !occ[a].shared())
             .collect()
@@ -243,7 +287,7 @@ impl NodeState {
     /// Per GPU, whether its memory units are Healthy: all the `nvidia.com/gpu-mem` list depends on.
     pub fn units_offered(&self) -> Vec<bool> {
         let inner = self.lock();
-        let occ = Self::occupancy(&inner);
+        let occ = Self::occupancy(&inner, self.unit_mib);
         (0..occ.len())
             .map(|a| inner.health[a] == Health::Healthy && !occ[a].whole)
             .collect()
@@ -255,12 +299,21 @@ impl NodeState {
         let alloc = Self::effective(&inner);
         let mut usage = UsageAnnotation::idle(&self.inventory);
         for (gpu, (u, a)) in usage.gpus.iter_mut().zip(&alloc).enumerate() {
-            let pods: BTreeSet<&String> = a.whole.iter().chain(a.units.values()).collect();
+            let pods: BTreeSet<&String> = a
+                .whole
+                .iter()
+                .chain(a.units.values())
+                .chain(a.claimed.values().map(|(owner, _)| owner))
+                .collect();
             u.pods = pods.into_iter().cloned().collect();
+            let claimed_mib: u64 = a.claimed.values().map(|(_, mib)| mib).sum();
             (u.mode, u.allocated_mib) = if !a.whole.is_empty() {
                 (GpuMode::Whole, self.inventory.gpus[gpu].memory_mib)
-            } else if !a.units.is_empty() {
-                (GpuMode::Shared, a.units.len() as u64 * self.unit_mib)
+            } else if !a.units.is_empty() || claimed_mib > 0 {
+                (
+                    GpuMode::Shared,
+                    a.units.len() as u64 * self.unit_mib + claimed_mib,
+                )
             } else {
                 (GpuMode::Free, 0)
             };
@@ -334,11 +387,11 @@ impl NodeState {
             };
             !seen && now.duration_since(p.at) < PENDING_TTL
         });
-        let before = Self::exclusion(&inner);
+        let before = Self::exclusion(&inner, self.unit_mib);
         let usage_changed = inner.listed != listed;
         inner.listed = listed;
         inner.listed_mem = listed_mem;
-        let after = Self::exclusion(&inner);
+        let after = Self::exclusion(&inner, self.unit_mib);
         drop(inner);
         if before != after {
             self.bump();
@@ -348,8 +401,8 @@ impl NodeState {
     }
 
     /// The part of the allocation that the device lists depend on: whole / shared per GPU.
-    fn exclusion(inner: &Inner) -> Vec<(bool, bool)> {
-        Self::occupancy(inner)
+    fn exclusion(inner: &Inner, unit_mib: u64) -> Vec<(bool, bool)> {
+        Self::occupancy(inner, unit_mib)
             .iter()
             .map(|o| (o.whole, o.shared()))
             .collect()
@@ -430,7 +483,7 @@ impl NodeState {
         };
         let (available, must) = (to_pos(available)?, to_pos(must)?);
         // GPUs sharing memory are reported unhealthy, but the kubelet may not have seen that yet.
-        let occ = Self::occupancy(&self.lock());
+        let occ = Self::occupancy(&self.lock(), self.unit_mib);
         let usable: Vec<usize> = available.into_iter().filter(|&a| !occ[a].shared()).collect();
         let set = local::best_gpu_set(&self.scores, &usable, &must, size)
             .map_err(|e| RequestError::Unavailable(format!("{}: {e}", self.gpu_resource)))?;
@@ -468,7 +521,7 @@ impl NodeState {
         let (occ, healthy) = {
             let inner = self.lock();
             (
-                Self::occupancy(&inner),
+                Self::occupancy(&inner, self.unit_mib),
                 inner
                     .health
                     .iter()
@@ -569,7 +622,7 @@ impl NodeState {
             )));
         }
         let mut inner = self.lock();
-        let occ = Self::occupancy(&inner);
+        let occ = Self::occupancy(&inner, self.unit_mib);
         let mut gpus = Vec::new();
         for id in ids {
             let a = *self
@@ -630,7 +683,7 @@ impl NodeState {
                 self.inventory.gpus[a].index
             )));
         }
-        let occ = Self::occupancy(&inner)[a];
+        let occ = Self::occupancy(&inner, self.unit_mib)[a];
         if occ.whole {
             return Err(RequestError::Unavailable(format!(
                 "GPU {} is allocated whole; its memory cannot be shared",
@@ -649,6 +702,102 @@ impl NodeState {
             self.bump();
         }
         Ok((a, units))
+    }
+
+    // ----- DRA claims -----
+
+    /// Records a prepared DRA claim, refusing what an Allocate would refuse: an unknown or unhealthy
+    /// GPU, a whole GPU that holds shared memory, memory on a GPU held whole, or more memory than the
+    /// GPU has left. Preparing a claim already recorded changes nothing.
+    pub fn prepare_claim(&self, uid: &str, claim: PreparedClaim) -> Result<(), RequestError> {
+        let mut inner = self.lock();
+        if inner.claims.contains_key(uid) {
+            return Ok(());
+        }
+        let occ = Self::occupancy(&inner, self.unit_mib);
+        for &(a, share) in &claim.shares {
+            let Some(gpu) = self.inventory.gpus.get(a) else {
+                return Err(RequestError::Invalid(format!(
+                    "claim {uid}: no GPU at position {a}"
+                )));
+            };
+            if let Health::Unhealthy { reason, .. } = &inner.health[a] {
+                return Err(RequestError::Unavailable(format!(
+                    "GPU {} is unhealthy: {reason}",
+                    gpu.index
+                )));
+            }
+            match share {
+                Share::Whole if occ[a].whole || occ[a].shared() => {
+                    return Err(RequestError::Unavailable(format!(
+                        "GPU {} is in use ({}); it cannot be prepared whole",
+                        gpu.index,
+                        if occ[a].whole {
+                            "held whole"
+                        } else {
+                            "memory shared out"
+                        }
+                    )));
+                }
+                Share::Mib(_) if occ[a].whole => {
+                    return Err(RequestError::Unavailable(format!(
+                        "GPU {} is held whole; its memory cannot be shared",
+                        gpu.index
+                    )));
+                }
+                Share::Mib(mib) => {
+                    let free = self.units_of(a).saturating_sub(occ[a].units) * self.unit_mib;
+                    if mib > free {
+                        return Err(RequestError::Unavailable(format!(
+                            "GPU {} has {free} MiB free, the claim holds {mib} MiB",
+                            gpu.index
+                        )));
+                    }
+                }
+                Share::Whole => {}
+            }
+        }
+        inner.claims.insert(uid.to_string(), claim);
+        drop(inner);
+        self.bump();
+        Ok(())
+    }
+
+    /// Puts back claims prepared before a restart (from the driver's checkpoint), unchecked: they
+    /// were checked when prepared, and their containers may be running.
+    pub fn restore_claims(&self, claims: impl IntoIterator<Item = (String, PreparedClaim)>) {
+        let mut inner = self.lock();
+        let n = self.inventory.gpus.len();
+        for (uid, claim) in claims {
+            if claim.shares.iter().all(|&(a, _)| a < n) {
+                inner.claims.insert(uid, claim);
+            }
+        }
+        drop(inner);
+        self.bump();
+    }
+
+    /// Forgets a prepared claim; what it held, if it was recorded.
+    pub fn unprepare_claim(&self, uid: &str) -> Option<PreparedClaim> {
+        let removed = self.lock().claims.remove(uid);
+        if removed.is_some() {
+            self.bump();
+        }
+        removed
+    }
+
+    /// The prepared claims' memory shares: (claim UID, GPU index).
+    pub fn claimed_memory(&self) -> Vec<(String, u32)> {
+        self.lock()
+            .claims
+            .iter()
+            .flat_map(|(uid, c)| {
+                c.shares
+                    .iter()
+                    .filter(|(_, share)| matches!(share, Share::Mib(_)))
+                    .map(move |&(a, _)| (uid.clone(), self.inventory.gpus[a].index))
+            })
+            .collect()
     }
 
     /// Position in the inventory of the GPU with NVML index `index`.

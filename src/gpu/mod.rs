@@ -55,3 +55,48 @@ pub trait GpuSource {
     /// Active NVLink links of GPU `index`; empty when the GPU has no NVLink.
     fn nvlinks(&self, index: u32) -> Result<Vec<NvLinkEnd>, GpuError>;
 }
+
+/// Each GPU's PCIe root complex (`pci<domain>:<bus>`, as sysfs and the standard DRA attribute
+/// `resource.kubernetes.io/pcieRoot` name it). With `sysfs` (a real node: `/sys`) it is the
+/// `pci…` directory the GPU's device path starts under. Otherwise, or where sysfs does not say (a
+/// simulated node), GPUs that reach each other without leaving a host bridge (`PHB` or closer)
+/// share a root, numbered in GPU order.
+pub fn pcie_roots(inventory: &GpuInventory, sysfs: Option<&std::path::Path>) -> Vec<String> {
+    let n = inventory.gpus.len();
+    let mut group = vec![usize::MAX; n];
+    let mut groups = 0;
+    for a in 0..n {
+        if group[a] != usize::MAX {
+            continue;
+        }
+        for (b, group_b) in group.iter_mut().enumerate().skip(a) {
+            if *group_b == usize::MAX && inventory.topology(a, b) <= TopologyLevel::HostBridge {
+                *group_b = groups;
+            }
+        }
+        groups += 1;
+    }
+    inventory
+        .gpus
+        .iter()
+        .enumerate()
+        .map(|(a, gpu)| {
+            let (domain, _) = gpu.pci_bus_id.split_once(':').unwrap_or(("0000", ""));
+            let domain = &domain[domain.len().saturating_sub(4)..];
+            sysfs
+                .and_then(|root| pcie_root_from_sysfs(root, domain, &gpu.pci_bus_id))
+                .unwrap_or_else(|| format!("pci{}:{:02x}", domain.to_lowercase(), group[a]))
+        })
+        .collect()
+}
+
+/// `/sys/bus/pci/devices/0000:3b:00.0` → `/sys/devices/pci0000:3a/…` → `pci0000:3a`.
+fn pcie_root_from_sysfs(sysfs: &std::path::Path, domain: &str, bus_id: &str) -> Option<String> {
+    let (_, rest) = bus_id.split_once(':')?;
+    let device = format!("{domain}:{rest}").to_lowercase();
+    let path = std::fs::canonicalize(sysfs.join("bus/pci/devices").join(device)).ok()?;
+    path.components()
+        .filter_map(|c| c.as_os_str().to_str())
+        .find(|c| c.starts_with("pci") && c.contains(':'))
+        .map(str::to_string)
+}

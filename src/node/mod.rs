@@ -3,6 +3,8 @@
 //!
 //! The types here are the contract between the agent (writer) and the scorer (reader).
 
+pub mod slice;
+
 use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};

@@ -161,7 +161,7 @@ pub fn select_victims(
 pub fn mark_pdb_violations(victims: &mut [VictimInfo], pods: &[&PodRecord], pdbs: &[PodDisruptionBudget]) {
     let mut allowed: Vec<i32> = pdbs
         .iter()
-        .map(|p| p.status.as_ref().map_or(0, |s| s.disruptions_allowed))
+        .map(|p| p.status.as_ref().and_then(|s| s.disruptions_allowed).unwrap_or(0))
         .collect();
     for (v, pod) in victims.iter_mut().zip(pods) {
         let labels = pod.labels();

@@ -187,15 +187,17 @@ current-context: $1
 EOF
 }
 
-# scheduler_config: the project's configuration for the default scheduler (v1beta3: the kit is 1.24),
-# with what differs on this machine: the kubeconfig, no leader election, the scorer's local address,
-# the directory of the certificates (its tlsConfig, serverName included, is the shipped one).
+# scheduler_config: the project's configuration for the default scheduler (v1beta3 for the kit's 1.24,
+# v1 for 1.36), with what differs on this machine: the kubeconfig, no leader election, the scorer's local
+# address, the directory of the certificates (its tlsConfig, serverName included, is the shipped one).
 scheduler_config() {
+  local shipped=kube-scheduler-config.yaml
+  [ "${K8S_VERSION:-1.24}" != 1.24 ] || shipped=kube-scheduler-config.v1beta3.yaml
   sed -e 's|^  kubeconfig: .*|  kubeconfig: ${K8S_STATE}/admin.kubeconfig|' \
     -e 's|^  leaderElect: true|  leaderElect: false|' \
     -e "s|^  - urlPrefix: https://.*|  - urlPrefix: https://$SCORER_TLS_ADDR|" \
     -e "s|: /etc/kubernetes/gpumem/|: $CERTS/|" \
-    "$ROOT/deploy/manifests/default-scheduler/kube-scheduler-config.v1beta3.yaml" > "$RUN_OUT/scheduler.yaml"
+    "$ROOT/deploy/manifests/default-scheduler/$shipped" > "$RUN_OUT/scheduler.yaml"
   grep -q "urlPrefix: https://$SCORER_TLS_ADDR" "$RUN_OUT/scheduler.yaml" &&
     [ "$(grep -c ": $CERTS/" "$RUN_OUT/scheduler.yaml")" == 3 ] &&
     grep -q 'leaderElect: false' "$RUN_OUT/scheduler.yaml"

@@ -5,6 +5,14 @@
 ALL_SCENARIOS="registration extender_tls canonical_quantities fragmentation whole_gpus xid multi_node agent_restart \
 kubelet_restart scorer_restart claims claims_at_minimum claims_failover overlays"
 
+# On 1.34 and later the node then moves to the DRA path (scenarios in tests/e2e/dra.sh).
+DRA_SCENARIOS=""
+
+# scenarios_for VERSION: what runs on that Kubernetes version.
+scenarios_for() {
+  if [ "$1" == 1.24 ]; then echo "$ALL_SCENARIOS"; else echo "$ALL_SCENARIOS $DRA_SCENARIOS"; fi
+}
+
 V100_MIB=32768
 T4_MIB=15360
 ALL_MIB=$((2 * V100_MIB + 2 * T4_MIB))

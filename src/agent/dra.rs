@@ -1,0 +1,630 @@
+//! The agent as a DRA driver (Kubernetes 1.34+): it publishes the node's ResourceSlice and prepares
+//! the claims kube-scheduler allocated on it. A prepared claim is an allocation in the one
+//! [`NodeState`], as an Allocate is, so health, whole/shared exclusion, metrics, the usage
+//! annotation and the accounting reader do not care which path handed the GPU out.
+//!
+//! Prepare reads the claim's allocation (`consumedCapacity.memory` of each result on this node),
+//! records it, writes the claim's CDI spec (its GPUs, its limit, the shim, the preload file, its
+//! accounting directory) and a checkpoint. The checkpoint is what a restarted agent starts from:
+//! the kubelet calls prepare again for running pods (answered from it, unchanged) and unprepare
+//! for claims whose pods ended while the agent was away (it still knows what to clean up).
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use k8s_openapi::api::core::v1::Node;
+use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice, ResourceSliceSpec};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
+use kube::api::{Api, DeleteParams, Patch, PatchParams};
+use kube::runtime::watcher;
+use kube::{Client, ResourceExt as _};
+use serde::{Deserialize, Serialize};
+use tokio::sync::Mutex;
+use tokio_stream::StreamExt as _;
+
+use super::cdi::{CdiSpecs, ClaimEdits};
+use super::config::{DeviceListStrategy, DraConfig};
+use super::enforcement::Enforcement;
+use super::metrics::AgentMetrics;
+use super::resource::{LIMIT_ENV, VISIBLE_DEVICES_ENV};
+use super::state::{NodeState, PreparedClaim, Share};
+use crate::node::slice::{self, MEMORY_CAPACITY, SliceInputs};
+use crate::plugin::dra::ClaimPreparer;
+use crate::plugin::proto::dra::{Claim, Device};
+use crate::quantity::Quantity;
+
+/// The field manager of the slice the agent writes.
+const FIELD_MANAGER: &str = "gpumem-agent";
+/// Written again after this long even when nothing changed (someone may have edited it).
+const RESYNC: Duration = Duration::from_secs(300);
+/// A claim lookup while a pod is being started may take this long.
+const LOOKUP_TIMEOUT: Duration = Duration::from_secs(10);
+/// Version of the checkpoint file's format.
+const CHECKPOINT_VERSION: u32 = 1;
+
+/// One device of a prepared claim, as the checkpoint keeps it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct PreparedDevice {
+    requests: Vec<String>,
+    device: String,
+    /// The GPU, by UUID: indices may change across a reboot, a UUID does not.
+    uuid: String,
+    share: Share,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct CheckpointClaim {
+    namespace: String,
+    name: String,
+    owner: String,
+    devices: Vec<PreparedDevice>,
+}
+
+#[derive(Debug, Default, Serialize, Deserialize)]
+struct Checkpoint {
+    version: u32,
+    claims: BTreeMap<String, CheckpointClaim>,
+}
+
+/// The claims the kubelet had this driver prepare, kept on disk.
+struct Prepared {
+    path: PathBuf,
+    claims: BTreeMap<String, CheckpointClaim>,
+}
+
+impl Prepared {
+    fn load(path: &Path) -> anyhow::Result<Self> {
+        let claims = match std::fs::read(path) {
+            Ok(bytes) => {
+                let checkpoint: Checkpoint = serde_json::from_slice(&bytes)
+                    .with_context(|| format!("the DRA checkpoint {} is not valid", path.display()))?;
+                anyhow::ensure!(
+                    checkpoint.version == CHECKPOINT_VERSION,
+                    "the DRA checkpoint {} has version {}, this agent reads {CHECKPOINT_VERSION}",
+                    path.display(),
+                    checkpoint.version
+                );
+                checkpoint.claims
+            }
+            Err(err) if err.kind() == std::io::ErrorKind::NotFound => BTreeMap::new(),
+            Err(err) => return Err(err).with_context(|| format!("reading {}", path.display())),
+        };
+        Ok(Self {
+            path: path.to_path_buf(),
+            claims,
+        })
+    }
+
+    fn save(&self) -> anyhow::Result<()> {
+        let checkpoint = Checkpoint {
+            version: CHECKPOINT_VERSION,
+            claims: self.claims.clone(),
+        };
+        if let Some(dir) = self.path.parent() {
+            std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        }
+        let temp = self.path.with_extension("tmp");
+        std::fs::write(&temp, serde_json::to_vec_pretty(&checkpoint)?)
+            .and_then(|()| std::fs::rename(&temp, &self.path))
+            .with_context(|| format!("writing the DRA checkpoint {}", self.path.display()))
+    }
+}
+
+/// Where a claim's allocation comes from: the API server, or a test's answer.
+#[tonic::async_trait]
+pub trait ClaimReader: Send + Sync + 'static {
+    async fn read(&self, namespace: &str, name: &str) -> Result<ResourceClaim, String>;
+}
+
+#[tonic::async_trait]
+impl ClaimReader for Client {
+    async fn read(&self, namespace: &str, name: &str) -> Result<ResourceClaim, String> {
+        let api: Api<ResourceClaim> = Api::namespaced(self.clone(), namespace);
+        match tokio::time::timeout(LOOKUP_TIMEOUT, api.get_opt(name)).await {
+            Err(_) => Err(format!(
+                "the API server did not answer within {LOOKUP_TIMEOUT:?} for ResourceClaim {namespace}/{name}"
+            )),
+            Ok(Err(err)) => Err(format!("reading ResourceClaim {namespace}/{name}: {err}")),
+            Ok(Ok(None)) => Err(format!("ResourceClaim {namespace}/{name} does not exist")),
+            Ok(Ok(Some(claim))) => Ok(claim),
+        }
+    }
+}
+
+/// The DRA driver: the agent's side of [`ClaimPreparer`].
+pub struct DraDriver {
+    pub driver: String,
+    pub node: String,
+    pub state: Arc<NodeState>,
+    pub reader: Arc<dyn ClaimReader>,
+    pub cdi: CdiSpecs,
+    pub enforcement: Option<Arc<Enforcement>>,
+    pub strategy: DeviceListStrategy,
+    pub metrics: Arc<AgentMetrics>,
+    /// Serialises prepare and unprepare: each reads and writes the checkpoint whole.
+    prepared: Mutex<Prepared>,
+}
+
+impl DraDriver {
+    /// Loads the checkpoint of an earlier run and puts its claims back into `state`, so nothing
+    /// they hold is handed out twice, and rewrites their CDI specs (the runtime may have lost them
+    /// with `/var/run`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn start(
+        config: &DraConfig,
+        node: String,
+        state: Arc<NodeState>,
+        reader: Arc<dyn ClaimReader>,
+        enforcement: Option<Arc<Enforcement>>,
+        strategy: DeviceListStrategy,
+        metrics: Arc<AgentMetrics>,
+        state_dir: &Path,
+    ) -> anyhow::Result<Self> {
+        let prepared = Prepared::load(&state_dir.join("dra").join("prepared.json"))?;
+        let driver = Self {
+            driver: config.driver_name.clone(),
+            node,
+            state,
+            reader,
+            cdi: CdiSpecs::new(&config.cdi_dir, &config.driver_name),
+            enforcement,
+            strategy,
+            metrics,
+            prepared: Mutex::new(Prepared {
+                path: prepared.path.clone(),
+                claims: BTreeMap::new(),
+            }),
+        };
+        let by_uuid = driver.state.inventory.positions_by_uuid();
+        let mut restored = Vec::new();
+        for (uid, claim) in &prepared.claims {
+            let shares: Option<Vec<(usize, Share)>> = claim
+                .devices
+                .iter()
+                .map(|d| by_uuid.get(&d.uuid).map(|&a| (a, d.share)))
+                .collect();
+            let Some(shares) = shares else {
+                tracing::warn!(%uid, "a prepared claim names a GPU this node no longer has; left out");
+                continue;
+            };
+            if let Err(err) = driver.write_cdi(uid, claim, &shares) {
+                tracing::warn!(%uid, error = %format!("{err:#}"), "cannot rewrite the CDI spec of a prepared claim");
+            }
+            restored.push((
+                uid.clone(),
+                PreparedClaim {
+                    owner: claim.owner.clone(),
+                    shares,
+                },
+            ));
+        }
+        tracing::info!(
+            claims = restored.len(),
+            "prepared DRA claims restored from the checkpoint"
+        );
+        driver.state.restore_claims(restored);
+        driver
+            .prepared
+            .try_lock()
+            .map_err(|_| anyhow::anyhow!("checkpoint busy"))?
+            .claims = prepared.claims;
+        Ok(driver)
+    }
+
+    /// The claim's results on this node, as shares of GPUs: each device's `consumedCapacity.memory`,
+    /// the whole GPU when it consumed all of it (or the device is not shared).
+    fn shares_of(
+        &self,
+        claim: &Claim,
+        resource: &ResourceClaim,
+    ) -> Result<(String, Vec<PreparedDevice>), String> {
+        let id = format!("{}/{}", claim.namespace, claim.name);
+        if resource.metadata.uid.as_deref() != Some(claim.uid.as_str()) {
+            return Err(format!(
+                "ResourceClaim {id} has UID {:?}, the kubelet asked for {}: it was deleted and made again",
+                resource.metadata.uid.as_deref().unwrap_or(""),
+                claim.uid
+            ));
+        }
+        let status = resource.status.as_ref();
+        let results = status
+            .and_then(|s| s.allocation.as_ref())
+            .and_then(|a| a.devices.as_ref())
+            .and_then(|d| d.results.as_deref())
+            .ok_or_else(|| format!("ResourceClaim {id} is not allocated"))?;
+        let owner = status
+            .and_then(|s| s.reserved_for.as_ref())
+            .and_then(|r| r.iter().find(|c| c.resource == "pods"))
+            .map_or_else(
+                || format!("{}/claim:{}", claim.namespace, claim.name),
+                |p| format!("{}/{}", claim.namespace, p.name),
+            );
+        let mut devices: Vec<PreparedDevice> = Vec::new();
+        for result in results.iter().filter(|r| r.driver == self.driver) {
+            if result.pool != self.node {
+                return Err(format!(
+                    "ResourceClaim {id}: device {} is in pool {:?}, this node's pool is {:?}",
+                    result.device, result.pool, self.node
+                ));
+            }
+            let a = slice::device_index(&result.device)
+                .and_then(|index| self.state.position(index))
+                .ok_or_else(|| format!("ResourceClaim {id}: this node has no device {:?}", result.device))?;
+            let whole = slice::offered_mib(&self.state.inventory, a, self.state.unit_mib);
+            let share = match result
+                .consumed_capacity
+                .as_ref()
+                .and_then(|c| c.get(MEMORY_CAPACITY))
+            {
+                None => Share::Whole,
+                Some(q) => {
+                    let parsed = Quantity::parse(&q.0)
+                        .map_err(|e| format!("ResourceClaim {id}: consumed memory {:?}: {e}", q.0))?;
+                    let mib = parsed
+                        .mib_ceil()
+                        .map_err(|e| format!("ResourceClaim {id}: consumed memory {:?}: {e}", q.0))?;
+                    if mib >= whole {
+                        Share::Whole
+                    } else {
+                        Share::Mib(mib)
+                    }
+                }
+            };
+            let uuid = self.state.inventory.gpus[a].uuid.clone();
+            // Two requests of one claim may share one device: one share, the sum.
+            match devices.iter_mut().find(|d| d.device == result.device) {
+                Some(d) => {
+                    d.requests.push(result.request.clone());
+                    d.share = match (d.share, share) {
+                        (Share::Mib(x), Share::Mib(y)) if x + y < whole => Share::Mib(x + y),
+                        _ => Share::Whole,
+                    };
+                }
+                None => devices.push(PreparedDevice {
+                    requests: vec![result.request.clone()],
+                    device: result.device.clone(),
+                    uuid,
+                    share,
+                }),
+            }
+        }
+        if devices.is_empty() {
+            return Err(format!(
+                "ResourceClaim {id} has no device of driver {} allocated",
+                self.driver
+            ));
+        }
+        let shared = devices
+            .iter()
+            .filter(|d| matches!(d.share, Share::Mib(_)))
+            .count();
+        if shared > 0 && devices.len() > 1 {
+            return Err(format!(
+                "ResourceClaim {id}: memory is served from ONE GPU per claim, with no other GPU in it \
+                 ({} devices, {shared} of them shared); ask for each GPU's memory in a claim of its own",
+                devices.len()
+            ));
+        }
+        Ok((owner, devices))
+    }
+
+    /// What a container using the claim gets, as a CDI spec.
+    fn edits(&self, uid: &str, claim: &CheckpointClaim, shares: &[(usize, Share)]) -> ClaimEdits {
+        let mut edits = ClaimEdits::default();
+        let uuids: Vec<&str> = claim.devices.iter().map(|d| d.uuid.as_str()).collect();
+        if self.strategy == DeviceListStrategy::Envvar {
+            edits.env.insert(VISIBLE_DEVICES_ENV.into(), uuids.join(","));
+        }
+        for &(a, share) in shares {
+            if let Share::Mib(mib) = share {
+                edits.env.insert(LIMIT_ENV.into(), mib.to_string());
+                if let Some(enforcement) = &self.enforcement {
+                    let name = Enforcement::claim_allocation_name(self.state.inventory.gpus[a].index, uid);
+                    let (mounts, env) = enforcement.edits(&name);
+                    edits.mounts.extend(mounts);
+                    edits.env.extend(env);
+                }
+            }
+        }
+        edits.devices = claim
+            .devices
+            .iter()
+            .map(|d| (d.device.clone(), d.uuid.clone()))
+            .collect();
+        edits
+    }
+
+    fn write_cdi(&self, uid: &str, claim: &CheckpointClaim, shares: &[(usize, Share)]) -> anyhow::Result<()> {
+        self.cdi.write(uid, &self.edits(uid, claim, shares))
+    }
+
+    /// The kubelet's answer for a prepared claim.
+    fn answer(&self, uid: &str, claim: &CheckpointClaim) -> Vec<Device> {
+        claim
+            .devices
+            .iter()
+            .map(|d| {
+                let mut ids = vec![self.cdi.device_id(uid, &d.device)];
+                if self.strategy == DeviceListStrategy::CdiCri {
+                    // nvidia-ctk's spec gives the container the GPU's device nodes.
+                    ids.push(format!("nvidia.com/gpu={}", d.uuid));
+                }
+                Device {
+                    request_names: d.requests.clone(),
+                    pool_name: self.node.clone(),
+                    device_name: d.device.clone(),
+                    cdi_device_ids: ids,
+                }
+            })
+            .collect()
+    }
+
+    fn shares(&self, claim: &CheckpointClaim) -> Vec<(usize, Share)> {
+        let by_uuid = self.state.inventory.positions_by_uuid();
+        claim
+            .devices
+            .iter()
+            .filter_map(|d| by_uuid.get(&d.uuid).map(|&a| (a, d.share)))
+            .collect()
+    }
+}
+
+#[tonic::async_trait]
+impl ClaimPreparer for DraDriver {
+    async fn prepare(&self, claim: &Claim) -> Result<Vec<Device>, String> {
+        let mut prepared = self.prepared.lock().await;
+        if let Some(known) = prepared.claims.get(&claim.uid) {
+            // Again (a kubelet restart): the same answer; the spec rewritten in case it was lost.
+            let shares = self.shares(known);
+            self.write_cdi(&claim.uid, known, &shares)
+                .map_err(|e| format!("{e:#}"))?;
+            return Ok(self.answer(&claim.uid, known));
+        }
+        let resource = self.reader.read(&claim.namespace, &claim.name).await?;
+        let (owner, devices) = self.shares_of(claim, &resource)?;
+        let by_uuid = self.state.inventory.positions_by_uuid();
+        let shares: Vec<(usize, Share)> = devices
+            .iter()
+            .filter_map(|d| by_uuid.get(&d.uuid).map(|&a| (a, d.share)))
+            .collect();
+        self.state
+            .prepare_claim(
+                &claim.uid,
+                PreparedClaim {
+                    owner: owner.clone(),
+                    shares: shares.clone(),
+                },
+            )
+            .map_err(|e| e.to_string())?;
+        let record = CheckpointClaim {
+            namespace: claim.namespace.clone(),
+            name: claim.name.clone(),
+            owner,
+            devices,
+        };
+        let done = (|| -> anyhow::Result<()> {
+            if let Some(enforcement) = &self.enforcement {
+                for &(a, share) in &shares {
+                    if matches!(share, Share::Mib(_)) {
+                        let name = Enforcement::claim_allocation_name(
+                            self.state.inventory.gpus[a].index,
+                            &claim.uid,
+                        );
+                        // A fresh accounting directory, as Allocate gives a new container.
+                        enforcement.container(&name)?;
+                    }
+                }
+            }
+            self.write_cdi(&claim.uid, &record, &shares)?;
+            prepared.claims.insert(claim.uid.clone(), record.clone());
+            if let Err(err) = prepared.save() {
+                prepared.claims.remove(&claim.uid);
+                return Err(err);
+            }
+            Ok(())
+        })();
+        if let Err(err) = done {
+            // Nothing half-done stays: the GPU's room, the spec.
+            self.state.unprepare_claim(&claim.uid);
+            let _ = self.cdi.remove(&claim.uid);
+            return Err(format!("{err:#}"));
+        }
+        let summary: Vec<String> = record
+            .devices
+            .iter()
+            .map(|d| match d.share {
+                Share::Whole => format!("{} whole", d.device),
+                Share::Mib(mib) => format!("{} {mib} MiB", d.device),
+            })
+            .collect();
+        tracing::info!(claim = %format!("{}/{}", claim.namespace, claim.name), uid = %claim.uid, owner = %record.owner, devices = ?summary, "prepared DRA claim");
+        Ok(self.answer(&claim.uid, &record))
+    }
+
+    async fn unprepare(&self, claim: &Claim) -> Result<(), String> {
+        let mut prepared = self.prepared.lock().await;
+        if let Some(record) = prepared.claims.remove(&claim.uid) {
+            if let Err(err) = prepared.save() {
+                prepared.claims.insert(claim.uid.clone(), record);
+                return Err(format!("{err:#}"));
+            }
+            tracing::info!(claim = %format!("{}/{}", claim.namespace, claim.name), uid = %claim.uid, "unprepared DRA claim");
+        }
+        self.state.unprepare_claim(&claim.uid);
+        // Its accounting directory goes with the next sweep of gone allocations.
+        self.cdi.remove(&claim.uid).map_err(|e| format!("{e:#}"))
+    }
+
+    fn served(&self, method: &'static str, claims: usize, failed: usize, seconds: f64) {
+        self.metrics.observe_request(&self.driver, method, seconds);
+        for _ in 0..failed {
+            self.metrics.refused(&self.driver, "claim");
+        }
+        tracing::debug!(method, claims, failed, seconds, "DRA call served");
+    }
+
+    fn registered(&self, yes: bool) {
+        self.metrics.set_registered(&self.driver, yes);
+    }
+}
+
+/// Keeps the node's ResourceSlice equal to the node's picture: one device per healthy GPU. Written
+/// when health changes, when someone else changes or deletes it (the kubelet deletes its node's
+/// slices when it starts), and every [`RESYNC`]. Ends when the process does.
+pub async fn publish_slice(
+    client: Client,
+    state: Arc<NodeState>,
+    driver: String,
+    node: String,
+    pcie_roots: Vec<String>,
+) {
+    let api: Api<ResourceSlice> = Api::all(client.clone());
+    let name = slice::slice_name(&node, &driver);
+    let owner = node_owner(&client, &node).await;
+    let config = watcher::Config::default().fields(&format!("spec.nodeName={node}"));
+    let mut events = Box::pin(watcher::watcher(api.clone(), config));
+    let mut changes = state.subscribe();
+    // The slice as the API server has it; None: absent. Unknown until the first list.
+    let mut current: Option<Option<ResourceSlice>> = None;
+    let mut listing: Option<Option<ResourceSlice>> = None;
+    // What our last write sent (before the generation) and what the API server stored from it.
+    let mut written: Option<(ResourceSliceSpec, ResourceSlice)> = None;
+    let mut last_write = tokio::time::Instant::now();
+    let mut backoff = Duration::from_secs(1);
+    loop {
+        tokio::select! {
+            event = events.next() => match event {
+                Some(Ok(watcher::Event::Init)) => listing = Some(None),
+                Some(Ok(watcher::Event::InitApply(s))) => {
+                    if s.name_any() == name { listing = Some(Some(s)); }
+                }
+                Some(Ok(watcher::Event::InitDone)) => current = listing.take(),
+                Some(Ok(watcher::Event::Apply(s))) => {
+                    if s.name_any() == name { current = Some(Some(s)); } else { continue; }
+                }
+                Some(Ok(watcher::Event::Delete(s))) => {
+                    if s.name_any() == name {
+                        tracing::info!(slice = %name, "ResourceSlice deleted (a kubelet restart?): publishing it again");
+                        current = Some(None);
+                    } else { continue; }
+                }
+                Some(Err(err)) => {
+                    tracing::warn!(error = %err, "watching ResourceSlices failed; retrying");
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_secs(30));
+                    continue;
+                }
+                None => return,
+            },
+            _ = changes.changed() => {}
+            () = tokio::time::sleep(RESYNC) => {}
+        }
+        let Some(known) = &current else { continue };
+        let healthy: Vec<bool> = (0..state.inventory.gpus.len())
+            .map(|a| state.is_healthy(a))
+            .collect();
+        let desired = slice::resource_slice_spec(
+            &state.inventory,
+            &SliceInputs {
+                driver: &driver,
+                node: &node,
+                unit_mib: state.unit_mib,
+                healthy: &healthy,
+                pcie_roots: &pcie_roots,
+                generation: 0,
+            },
+        );
+        // Written again when the picture changed, when the API server's copy is not the one our last
+        // write left (someone else changed or deleted it), or at the resync; never because the API
+        // server stores what we sent in its own normal form.
+        let untouched = match (known, &written) {
+            (Some(slice), Some((_, stored))) => {
+                slice.metadata.resource_version == stored.metadata.resource_version
+            }
+            (None, _) | (_, None) => false,
+        };
+        let unchanged = written.as_ref().is_some_and(|(spec, _)| *spec == desired);
+        if untouched && unchanged && last_write.elapsed() < RESYNC {
+            backoff = Duration::from_secs(1);
+            continue;
+        }
+        // A changed device list is a new generation of the pool.
+        let generation = match known {
+            Some(slice) if unchanged => slice.spec.pool.generation,
+            Some(slice) => slice.spec.pool.generation + 1,
+            None => 1,
+        };
+        let mut spec = desired.clone();
+        spec.pool.generation = generation;
+        let devices = spec.devices.as_ref().map_or(0, Vec::len);
+        let slice = ResourceSlice {
+            metadata: ObjectMeta {
+                name: Some(name.clone()),
+                owner_references: owner.clone().map(|o| vec![o]),
+                ..Default::default()
+            },
+            spec,
+        };
+        let mut body = serde_json::to_value(&slice).unwrap_or_default();
+        body["apiVersion"] = "resource.k8s.io/v1".into();
+        body["kind"] = "ResourceSlice".into();
+        match api
+            .patch(
+                &name,
+                &PatchParams::apply(FIELD_MANAGER).force(),
+                &Patch::Apply(&body),
+            )
+            .await
+        {
+            Ok(stored) => {
+                tracing::info!(slice = %name, devices, generation = stored.spec.pool.generation, "ResourceSlice published");
+                current = Some(Some(stored.clone()));
+                written = Some((desired, stored));
+                last_write = tokio::time::Instant::now();
+                backoff = Duration::from_secs(1);
+            }
+            Err(err) => {
+                tracing::warn!(slice = %name, error = %err, "cannot publish the ResourceSlice; retrying");
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(30));
+                changes.mark_changed();
+            }
+        }
+    }
+}
+
+/// The Node as the slice's owner: the slice goes when the Node does.
+async fn node_owner(client: &Client, node: &str) -> Option<OwnerReference> {
+    let api: Api<Node> = Api::all(client.clone());
+    match api.get(node).await {
+        Ok(n) => Some(OwnerReference {
+            api_version: "v1".into(),
+            kind: "Node".into(),
+            name: node.to_string(),
+            uid: n.metadata.uid.unwrap_or_default(),
+            controller: Some(true),
+            ..Default::default()
+        }),
+        Err(err) => {
+            tracing::warn!(error = %err, "cannot read the Node: its ResourceSlice will not be owned by it");
+            None
+        }
+    }
+}
+
+/// Deletes the node's slice (the agent leaves the DRA path: `gpumem agent --mode device-plugin` on
+/// a node that had it, or an uninstall).
+pub async fn delete_slice(client: Client, driver: &str, node: &str) -> anyhow::Result<()> {
+    let api: Api<ResourceSlice> = Api::all(client);
+    let name = slice::slice_name(node, driver);
+    match api.delete(&name, &DeleteParams::default()).await {
+        Ok(_) => Ok(()),
+        Err(kube::Error::Api(e)) if e.code == 404 => Ok(()),
+        Err(err) => Err(err).with_context(|| format!("deleting ResourceSlice {name}")),
+    }
+}

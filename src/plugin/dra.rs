@@ -1,0 +1,292 @@
+//! The kubelet's DRA plugin API v1 and the plugin-registry handshake that announces it. Like the
+//! device-plugin server, it speaks the protocol and nothing else: what preparing a claim means is
+//! the [`ClaimPreparer`]'s (the agent implements it).
+//!
+//! Two sockets: the driver's own (`<pluginDir>/<driver>/dra.sock`, serving `v1.DRAPlugin`) and a
+//! registration socket in the kubelet's plugin registry (`<driver>-reg.sock`), which the kubelet's
+//! plugin watcher finds, asks `GetInfo`, and answers with `NotifyRegistrationStatus`. A kubelet
+//! restart keeps both (its watcher walks the registry again); a socket that disappears (the
+//! directory wiped) is made again.
+
+use std::collections::HashMap;
+use std::os::unix::fs::MetadataExt as _;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::net::UnixListener;
+use tokio::sync::watch;
+use tokio_stream::StreamExt as _;
+use tokio_stream::wrappers::UnixListenerStream;
+use tonic::{Request, Response, Status};
+
+use super::authority::AuthorityRewrite;
+use super::proto::dra::dra_plugin_server::{DraPlugin, DraPluginServer};
+use super::proto::dra::{
+    Claim, Device, NodePrepareResourceResponse, NodePrepareResourcesRequest, NodePrepareResourcesResponse,
+    NodeUnprepareResourceResponse, NodeUnprepareResourcesRequest, NodeUnprepareResourcesResponse,
+};
+use super::proto::pluginregistration::registration_server::{Registration, RegistrationServer};
+use super::proto::pluginregistration::{
+    InfoRequest, PluginInfo, RegistrationStatus, RegistrationStatusResponse,
+};
+use super::proto::{DRA_PLUGIN_TYPE, DRA_SERVICE_V1};
+use crate::liveness::Liveness;
+
+/// How often the sockets are checked for having been removed.
+const WATCH_INTERVAL: Duration = Duration::from_millis(500);
+/// The watch loop beats on every tick: this long without a beat, it is stuck.
+pub const DRA_MAX_SILENCE: Duration = Duration::from_secs(10);
+
+/// What a DRA driver does for the kubelet, claim by claim.
+#[tonic::async_trait]
+pub trait ClaimPreparer: Send + Sync + 'static {
+    /// Prepares one claim: the devices of this driver in its allocation, each with the CDI devices
+    /// a container using it gets. Preparing a prepared claim answers as the first time did.
+    async fn prepare(&self, claim: &Claim) -> Result<Vec<Device>, String>;
+    /// Undoes [`Self::prepare`]; a claim not prepared (or already unprepared) is no error.
+    async fn unprepare(&self, claim: &Claim) -> Result<(), String>;
+    /// A served call (`NodePrepareResources`, `NodeUnprepareResources`), its claims, and how long it took.
+    fn served(&self, method: &'static str, claims: usize, failed: usize, seconds: f64);
+    /// The kubelet accepted the registration, or refused it, or its socket is gone.
+    fn registered(&self, yes: bool);
+}
+
+/// The `v1.DRAPlugin` service.
+#[derive(Clone)]
+pub struct DraService {
+    pub preparer: Arc<dyn ClaimPreparer>,
+}
+
+/// Claims are checked before anything is done with them: a UID is the key of the answer, and the
+/// namespace and name go into an API path.
+fn check_claim(claim: &Claim) -> Result<(), String> {
+    if claim.uid.is_empty() || claim.uid.len() > 128 {
+        return Err(format!(
+            "claim {}/{}: bad UID {:?}",
+            claim.namespace, claim.name, claim.uid
+        ));
+    }
+    crate::names::check_label(&claim.namespace).map_err(|e| format!("claim namespace: {e}"))?;
+    crate::names::check_subdomain(&claim.name).map_err(|e| format!("claim name: {e}"))?;
+    Ok(())
+}
+
+#[tonic::async_trait]
+impl DraPlugin for DraService {
+    async fn node_prepare_resources(
+        &self,
+        request: Request<NodePrepareResourcesRequest>,
+    ) -> Result<Response<NodePrepareResourcesResponse>, Status> {
+        let started = Instant::now();
+        let claims = request.into_inner().claims;
+        let mut answers = HashMap::with_capacity(claims.len());
+        let mut failed = 0;
+        for claim in &claims {
+            let answer = match check_claim(claim) {
+                Ok(()) => self.preparer.prepare(claim).await,
+                Err(err) => Err(err),
+            };
+            let answer = match answer {
+                Ok(devices) => NodePrepareResourceResponse {
+                    devices,
+                    error: String::new(),
+                },
+                Err(error) => {
+                    failed += 1;
+                    tracing::warn!(claim = %format!("{}/{}", claim.namespace, claim.name), uid = %claim.uid, %error, "cannot prepare claim");
+                    NodePrepareResourceResponse {
+                        devices: Vec::new(),
+                        error,
+                    }
+                }
+            };
+            answers.insert(claim.uid.clone(), answer);
+        }
+        self.preparer.served(
+            "NodePrepareResources",
+            claims.len(),
+            failed,
+            started.elapsed().as_secs_f64(),
+        );
+        Ok(Response::new(NodePrepareResourcesResponse { claims: answers }))
+    }
+
+    async fn node_unprepare_resources(
+        &self,
+        request: Request<NodeUnprepareResourcesRequest>,
+    ) -> Result<Response<NodeUnprepareResourcesResponse>, Status> {
+        let started = Instant::now();
+        let claims = request.into_inner().claims;
+        let mut answers = HashMap::with_capacity(claims.len());
+        let mut failed = 0;
+        for claim in &claims {
+            let answer = match check_claim(claim) {
+                Ok(()) => self.preparer.unprepare(claim).await,
+                Err(err) => Err(err),
+            };
+            let error = answer.err().unwrap_or_default();
+            if !error.is_empty() {
+                failed += 1;
+                tracing::warn!(uid = %claim.uid, %error, "cannot unprepare claim");
+            }
+            answers.insert(claim.uid.clone(), NodeUnprepareResourceResponse { error });
+        }
+        self.preparer.served(
+            "NodeUnprepareResources",
+            claims.len(),
+            failed,
+            started.elapsed().as_secs_f64(),
+        );
+        Ok(Response::new(NodeUnprepareResourcesResponse { claims: answers }))
+    }
+}
+
+/// The registration service the kubelet's plugin watcher calls.
+#[derive(Clone)]
+pub struct RegistrationService {
+    pub driver: String,
+    pub endpoint: PathBuf,
+    pub preparer: Arc<dyn ClaimPreparer>,
+}
+
+#[tonic::async_trait]
+impl Registration for RegistrationService {
+    async fn get_info(&self, _: Request<InfoRequest>) -> Result<Response<PluginInfo>, Status> {
+        Ok(Response::new(PluginInfo {
+            r#type: DRA_PLUGIN_TYPE.into(),
+            name: self.driver.clone(),
+            endpoint: self.endpoint.display().to_string(),
+            supported_versions: vec![DRA_SERVICE_V1.into()],
+        }))
+    }
+
+    async fn notify_registration_status(
+        &self,
+        request: Request<RegistrationStatus>,
+    ) -> Result<Response<RegistrationStatusResponse>, Status> {
+        let status = request.into_inner();
+        if status.plugin_registered {
+            tracing::info!(driver = %self.driver, "registered with the kubelet as a DRA driver");
+        } else {
+            tracing::error!(driver = %self.driver, error = %status.error, "the kubelet refused the DRA driver's registration");
+        }
+        self.preparer.registered(status.plugin_registered);
+        Ok(Response::new(RegistrationStatusResponse {}))
+    }
+}
+
+fn inode(path: &Path) -> Option<u64> {
+    std::fs::metadata(path).ok().map(|m| m.ino())
+}
+
+fn listen(path: &Path) -> anyhow::Result<UnixListener> {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).map_err(|e| anyhow::anyhow!("cannot create {}: {e}", dir.display()))?;
+    }
+    // A socket left by a previous run would make bind fail.
+    let _ = std::fs::remove_file(path);
+    UnixListener::bind(path).map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}", path.display()))
+}
+
+/// The connections to a socket, each through the `:authority` adapter: the kubelet's gRPC clients
+/// (the plugin watcher's among them, 1.36 included) send the socket's path as `:authority`, which h2
+/// would reject.
+fn incoming(
+    path: &Path,
+) -> anyhow::Result<
+    impl tokio_stream::Stream<Item = std::io::Result<AuthorityRewrite<tokio::net::UnixStream>>> + use<>,
+> {
+    Ok(UnixListenerStream::new(listen(path)?).map(|conn| conn.map(AuthorityRewrite::new)))
+}
+
+/// Where the two sockets go.
+#[derive(Debug, Clone)]
+pub struct DraSockets {
+    pub driver: String,
+    /// The DRA service (`<pluginDir>/<driver>/dra.sock`).
+    pub endpoint: PathBuf,
+    /// The registration socket (`<registryDir>/<driver>-reg.sock`).
+    pub registration: PathBuf,
+}
+
+impl DraSockets {
+    pub fn new(driver: &str, endpoint: PathBuf, registry_dir: &Path) -> Self {
+        Self {
+            driver: driver.to_string(),
+            endpoint,
+            registration: registry_dir.join(format!("{driver}-reg.sock")),
+        }
+    }
+}
+
+/// Serves the DRA service and the registration socket until `shutdown` turns true, then removes both
+/// sockets: the kubelet's watcher sees the registration socket go and unregisters the driver.
+pub async fn run(
+    preparer: Arc<dyn ClaimPreparer>,
+    sockets: DraSockets,
+    liveness: Arc<Liveness>,
+    mut shutdown: watch::Receiver<bool>,
+) -> anyhow::Result<()> {
+    let heartbeat = liveness.lasting("dra plugin", DRA_MAX_SILENCE);
+    loop {
+        let service = tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(DraPluginServer::new(DraService {
+                    preparer: Arc::clone(&preparer),
+                }))
+                .serve_with_incoming(incoming(&sockets.endpoint)?),
+        );
+        let endpoint_inode = inode(&sockets.endpoint);
+        // The registration socket comes second: when the kubelet dials the endpoint it is there.
+        let registration = tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(RegistrationServer::new(RegistrationService {
+                    driver: sockets.driver.clone(),
+                    endpoint: sockets.endpoint.clone(),
+                    preparer: Arc::clone(&preparer),
+                }))
+                .serve_with_incoming(incoming(&sockets.registration)?),
+        );
+        let registration_inode = inode(&sockets.registration);
+        tracing::info!(
+            driver = %sockets.driver,
+            endpoint = %sockets.endpoint.display(),
+            registration = %sockets.registration.display(),
+            "serving the DRA driver"
+        );
+        loop {
+            heartbeat.beat();
+            tokio::select! {
+                () = tokio::time::sleep(WATCH_INTERVAL) => {}
+                _ = shutdown.changed() => {}
+            }
+            if *shutdown.borrow() {
+                break;
+            }
+            if inode(&sockets.endpoint) != endpoint_inode
+                || inode(&sockets.registration) != registration_inode
+            {
+                tracing::info!(driver = %sockets.driver, "a DRA socket was removed: serving and registering again");
+                break;
+            }
+        }
+        preparer.registered(false);
+        registration.abort();
+        service.abort();
+        let _ = registration.await;
+        let _ = service.await;
+        if *shutdown.borrow() {
+            for (path, ours) in [
+                (&sockets.registration, registration_inode),
+                (&sockets.endpoint, endpoint_inode),
+            ] {
+                if inode(path) == ours {
+                    let _ = std::fs::remove_file(path);
+                }
+            }
+            tracing::info!(driver = %sockets.driver, "DRA driver stopped");
+            return Ok(());
+        }
+    }
+}
