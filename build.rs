@@ -1,5 +1,5 @@
 //! Generates the Rust code for the kubelet's gRPC APIs (Device Plugin v1beta1, Pod Resources v1, the
-//! DRA plugin API v1 and plugin registration v1) from `proto/`.
+//! DRA plugin API v1, DRA resource health v1alpha1 and plugin registration v1) from `proto/`.
 //!
 //! The `.proto` files are parsed by `protox`, a pure-Rust protobuf compiler, into a
 //! `FileDescriptorSet`, which `tonic-prost-build` turns into prost messages plus tonic clients and
@@ -16,6 +16,7 @@ const PROTOS: &[&str] = &[
     "podresources/v1/api.proto",
     "dra/v1/api.proto",
     "pluginregistration/v1/api.proto",
+    "drahealth/v1alpha1/api.proto",
 ];
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {

@@ -37,6 +37,7 @@ fi
 
 source "$ROOT/tests/e2e/lib.sh"
 source "$ROOT/tests/e2e/scenarios.sh"
+source "$ROOT/tests/e2e/dra.sh"
 
 NS=e2e
 REAL_NODE=gpu-node-1
@@ -110,6 +111,12 @@ stop_claims() {
   return $status
 }
 
+# apply_dra_objects: what the chart ships for the DRA path with default values (the DeviceClass and the
+# admission policy that holds each agent to its own node's slices).
+apply_dra_objects() {
+  k apply -f "$ROOT/deploy/manifests/components/dra/dra.yaml" > "$RUN_OUT/dra-apply.log" 2>&1
+}
+
 # fake_node_patch PROFILE: labels and annotations an agent publishes for PROFILE (its own code writes them).
 fake_node_patch() {
   "$BIN/gpumem" inspect --profile "$1" --output json | python3 -c '
@@ -162,6 +169,8 @@ run_cluster() {
   cp "$BIN/libgpumem_cuda.so" "$SHIM_DEST/.libgpumem_cuda.so.new" &&
     mv -f "$SHIM_DEST/.libgpumem_cuda.so.new" "$SHIM_DEST/libgpumem_cuda.so"
   rm -f "$RUN_OUT/nvml-inject.toml"
+  # What an agent of an earlier cluster prepared is not this cluster's.
+  rm -rf "$STATE_DIR/dra" "$STATE_DIR/containers" /var/run/cdi/gpumem.io-*
 
   # The project's own RBAC and CRD; the agent, the scorer and the claim controller run as their
   # service accounts.

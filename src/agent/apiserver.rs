@@ -55,6 +55,22 @@ impl ApiServer {
         })
     }
 
+    /// The value of a label of this Node, if it has it; None also when the Node cannot be read.
+    pub async fn node_label(&self, key: &str) -> Option<String> {
+        let api = Api::<Node>::all(self.client.clone());
+        match tokio::time::timeout(LOOKUP_TIMEOUT * 5, api.get(&self.node)).await {
+            Ok(Ok(node)) => node.metadata.labels.and_then(|mut l| l.remove(key)),
+            Ok(Err(err)) => {
+                tracing::warn!(error = %err, key, "cannot read the Node's labels");
+                None
+            }
+            Err(_) => {
+                tracing::warn!(key, "the API server did not answer for the Node's labels");
+                None
+            }
+        }
+    }
+
     /// The client, for the DRA driver's calls.
     pub fn client(&self) -> Client {
         self.client.clone()

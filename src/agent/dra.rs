@@ -34,6 +34,7 @@ use super::state::{NodeState, PreparedClaim, Share};
 use crate::node::slice::{self, MEMORY_CAPACITY, SliceInputs};
 use crate::plugin::dra::ClaimPreparer;
 use crate::plugin::proto::dra::{Claim, Device};
+use crate::plugin::proto::drahealth::{DeviceHealth, DeviceIdentifier, HealthStatus};
 use crate::quantity::Quantity;
 
 /// The field manager of the slice the agent writes.
@@ -45,12 +46,16 @@ const LOOKUP_TIMEOUT: Duration = Duration::from_secs(10);
 /// Version of the checkpoint file's format.
 const CHECKPOINT_VERSION: u32 = 1;
 
-/// One device of a prepared claim, as the checkpoint keeps it.
+/// One allocation result of a prepared claim, as the checkpoint keeps it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 struct PreparedDevice {
-    requests: Vec<String>,
+    /// The main request's name (the kubelet matches containers' claim requests by it).
+    request: String,
     device: String,
+    /// The allocation's share of a shared device.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    share_id: Option<String>,
     /// The GPU, by UUID: indices may change across a reboot, a UUID does not.
     uuid: String,
     share: Share,
@@ -78,19 +83,31 @@ struct Prepared {
 }
 
 impl Prepared {
+    /// The checkpoint; one that cannot be read as this agent writes it (edited by hand, cut short)
+    /// is moved aside to `<path>.invalid` and the agent starts without it, saying so: the claims it
+    /// held are then unknown to the agent until the kubelet unprepares them.
     fn load(path: &Path) -> anyhow::Result<Self> {
         let claims = match std::fs::read(path) {
-            Ok(bytes) => {
-                let checkpoint: Checkpoint = serde_json::from_slice(&bytes)
-                    .with_context(|| format!("the DRA checkpoint {} is not valid", path.display()))?;
-                anyhow::ensure!(
-                    checkpoint.version == CHECKPOINT_VERSION,
-                    "the DRA checkpoint {} has version {}, this agent reads {CHECKPOINT_VERSION}",
-                    path.display(),
-                    checkpoint.version
-                );
-                checkpoint.claims
-            }
+            Ok(bytes) => match serde_json::from_slice::<Checkpoint>(&bytes) {
+                Ok(checkpoint) if checkpoint.version == CHECKPOINT_VERSION => checkpoint.claims,
+                parsed => {
+                    let why = match parsed {
+                        Ok(c) => format!("version {}, this agent reads {CHECKPOINT_VERSION}", c.version),
+                        Err(err) => err.to_string(),
+                    };
+                    let aside = path.with_extension("json.invalid");
+                    std::fs::rename(path, &aside).with_context(|| {
+                        format!("moving the invalid DRA checkpoint {} aside", path.display())
+                    })?;
+                    tracing::error!(
+                        checkpoint = %path.display(),
+                        kept_at = %aside.display(),
+                        error = %why,
+                        "the DRA checkpoint is not valid: starting without the claims it named"
+                    );
+                    BTreeMap::new()
+                }
+            },
             Err(err) if err.kind() == std::io::ErrorKind::NotFound => BTreeMap::new(),
             Err(err) => return Err(err).with_context(|| format!("reading {}", path.display())),
         };
@@ -118,20 +135,33 @@ impl Prepared {
 /// Where a claim's allocation comes from: the API server, or a test's answer.
 #[tonic::async_trait]
 pub trait ClaimReader: Send + Sync + 'static {
-    async fn read(&self, namespace: &str, name: &str) -> Result<ResourceClaim, String>;
+    /// The claim, None when it does not exist; an error when that cannot be known now.
+    async fn read(&self, namespace: &str, name: &str) -> Result<Option<ResourceClaim>, String>;
+    /// Every claim of the cluster (the agent keeps those allocated on its node).
+    async fn list(&self) -> Result<Vec<ResourceClaim>, String>;
 }
 
 #[tonic::async_trait]
 impl ClaimReader for Client {
-    async fn read(&self, namespace: &str, name: &str) -> Result<ResourceClaim, String> {
+    async fn read(&self, namespace: &str, name: &str) -> Result<Option<ResourceClaim>, String> {
         let api: Api<ResourceClaim> = Api::namespaced(self.clone(), namespace);
         match tokio::time::timeout(LOOKUP_TIMEOUT, api.get_opt(name)).await {
             Err(_) => Err(format!(
                 "the API server did not answer within {LOOKUP_TIMEOUT:?} for ResourceClaim {namespace}/{name}"
             )),
             Ok(Err(err)) => Err(format!("reading ResourceClaim {namespace}/{name}: {err}")),
-            Ok(Ok(None)) => Err(format!("ResourceClaim {namespace}/{name} does not exist")),
-            Ok(Ok(Some(claim))) => Ok(claim),
+            Ok(Ok(claim)) => Ok(claim),
+        }
+    }
+
+    async fn list(&self) -> Result<Vec<ResourceClaim>, String> {
+        let api: Api<ResourceClaim> = Api::all(self.clone());
+        match tokio::time::timeout(LOOKUP_TIMEOUT, api.list(&Default::default())).await {
+            Err(_) => Err(format!(
+                "the API server did not answer within {LOOKUP_TIMEOUT:?} for ResourceClaims"
+            )),
+            Ok(Err(err)) => Err(format!("listing ResourceClaims: {err}")),
+            Ok(Ok(list)) => Ok(list.items),
         }
     }
 }
@@ -183,15 +213,11 @@ impl DraDriver {
         let by_uuid = driver.state.inventory.positions_by_uuid();
         let mut restored = Vec::new();
         for (uid, claim) in &prepared.claims {
-            let shares: Option<Vec<(usize, Share)>> = claim
-                .devices
-                .iter()
-                .map(|d| by_uuid.get(&d.uuid).map(|&a| (a, d.share)))
-                .collect();
-            let Some(shares) = shares else {
+            if !claim.devices.iter().all(|d| by_uuid.contains_key(&d.uuid)) {
                 tracing::warn!(%uid, "a prepared claim names a GPU this node no longer has; left out");
                 continue;
-            };
+            }
+            let shares = driver.shares(&claim.devices);
             if let Err(err) = driver.write_cdi(uid, claim, &shares) {
                 tracing::warn!(%uid, error = %format!("{err:#}"), "cannot rewrite the CDI spec of a prepared claim");
             }
@@ -214,6 +240,123 @@ impl DraDriver {
             .map_err(|_| anyhow::anyhow!("checkpoint busy"))?
             .claims = prepared.claims;
         Ok(driver)
+    }
+
+    /// Brings the prepared claims in line with the cluster: adopts the claims allocated on this node
+    /// and reserved for a pod that the agent does not know of (its checkpoint was lost or spoiled:
+    /// their pods run, and their memory must count), then unprepares those nobody uses any more.
+    pub async fn reconcile(&self) {
+        match self.reader.list().await {
+            Ok(claims) => {
+                for resource in claims {
+                    self.adopt(&resource).await;
+                }
+            }
+            Err(err) => tracing::debug!(error = %err, "cannot list claims to adopt; later"),
+        }
+        self.forget_stale().await;
+    }
+
+    /// Records a claim allocated here and in use that was never prepared by this agent's checkpoint.
+    async fn adopt(&self, resource: &ResourceClaim) {
+        let in_use = resource
+            .status
+            .as_ref()
+            .and_then(|s| s.reserved_for.as_ref())
+            .is_some_and(|r| !r.is_empty());
+        let (Some(uid), Some(namespace)) =
+            (resource.metadata.uid.clone(), resource.metadata.namespace.clone())
+        else {
+            return;
+        };
+        let claim = Claim {
+            namespace,
+            uid,
+            name: resource.metadata.name.clone().unwrap_or_default(),
+        };
+        let mut prepared = self.prepared.lock().await;
+        if !in_use || prepared.claims.contains_key(&claim.uid) {
+            return;
+        }
+        // Claims of other drivers or nodes are not ours: no error to report for them.
+        let Ok((owner, devices)) = self.shares_of(&claim, resource) else {
+            return;
+        };
+        let shares = self.shares(&devices);
+        // Its pod may be running: recorded as it is, as a restored claim is (a GPU that turned sick
+        // since still holds it).
+        self.state.restore_claims([(
+            claim.uid.clone(),
+            PreparedClaim {
+                owner: owner.clone(),
+                shares: shares.clone(),
+            },
+        )]);
+        let record = CheckpointClaim {
+            namespace: claim.namespace.clone(),
+            name: claim.name.clone(),
+            owner,
+            devices,
+        };
+        if let Some(enforcement) = &self.enforcement {
+            for &(a, share) in &shares {
+                if matches!(share, Share::Mib(_)) {
+                    let name =
+                        Enforcement::claim_allocation_name(self.state.inventory.gpus[a].index, &claim.uid);
+                    // Its container may be running and counting in it: made if missing, never cleared.
+                    if let Err(err) = enforcement.ensure(&name) {
+                        tracing::warn!(uid = %claim.uid, error = %format!("{err:#}"), "cannot make an adopted claim's accounting directory");
+                    }
+                }
+            }
+        }
+        if let Err(err) = self.write_cdi(&claim.uid, &record, &shares) {
+            tracing::warn!(uid = %claim.uid, error = %format!("{err:#}"), "cannot write an adopted claim's CDI spec");
+        }
+        prepared.claims.insert(claim.uid.clone(), record);
+        if let Err(err) = prepared.save() {
+            tracing::warn!(error = %format!("{err:#}"), "cannot save the DRA checkpoint");
+        }
+        tracing::warn!(claim = %format!("{}/{}", claim.namespace, claim.name), uid = %claim.uid, "adopted a claim allocated on this node that the checkpoint did not name");
+    }
+
+    /// Unprepares the prepared claims nobody can be using any more: deleted (or made again under the
+    /// same name), or no longer reserved for any pod. The kubelet unprepares a claim when its pod
+    /// ends; this catches what it cannot, such as a checkpoint that outlived its cluster or a node
+    /// whose pods were removed while it was down. A claim that cannot be read now is kept.
+    async fn forget_stale(&self) {
+        let prepared: Vec<(String, String, String)> = self
+            .prepared
+            .lock()
+            .await
+            .claims
+            .iter()
+            .map(|(uid, c)| (uid.clone(), c.namespace.clone(), c.name.clone()))
+            .collect();
+        for (uid, namespace, name) in prepared {
+            let stale = match self.reader.read(&namespace, &name).await {
+                Ok(None) => true,
+                Ok(Some(claim)) => {
+                    claim.metadata.uid.as_deref() != Some(uid.as_str())
+                        || claim
+                            .status
+                            .as_ref()
+                            .and_then(|s| s.reserved_for.as_ref())
+                            .is_none_or(Vec::is_empty)
+                }
+                Err(err) => {
+                    tracing::debug!(%uid, error = %err, "cannot check a prepared claim; keeping it");
+                    false
+                }
+            };
+            if stale {
+                tracing::warn!(claim = %format!("{namespace}/{name}"), %uid, "a prepared claim is no longer used by any pod: unpreparing it");
+                let claim = Claim { namespace, uid, name };
+                if let Err(err) = self.unprepare(&claim).await {
+                    tracing::warn!(uid = %claim.uid, error = %err, "cannot unprepare a stale claim");
+                }
+            }
+        }
     }
 
     /// The claim's results on this node, as shares of GPUs: each device's `consumedCapacity.memory`,
@@ -275,23 +418,14 @@ impl DraDriver {
                     }
                 }
             };
-            let uuid = self.state.inventory.gpus[a].uuid.clone();
-            // Two requests of one claim may share one device: one share, the sum.
-            match devices.iter_mut().find(|d| d.device == result.device) {
-                Some(d) => {
-                    d.requests.push(result.request.clone());
-                    d.share = match (d.share, share) {
-                        (Share::Mib(x), Share::Mib(y)) if x + y < whole => Share::Mib(x + y),
-                        _ => Share::Whole,
-                    };
-                }
-                None => devices.push(PreparedDevice {
-                    requests: vec![result.request.clone()],
-                    device: result.device.clone(),
-                    uuid,
-                    share,
-                }),
-            }
+            devices.push(PreparedDevice {
+                // A result of a prioritized list names `<request>/<subrequest>`.
+                request: result.request.split('/').next().unwrap_or_default().to_string(),
+                device: result.device.clone(),
+                share_id: result.share_id.clone(),
+                uuid: self.state.inventory.gpus[a].uuid.clone(),
+                share,
+            });
         }
         if devices.is_empty() {
             return Err(format!(
@@ -299,24 +433,28 @@ impl DraDriver {
                 self.driver
             ));
         }
-        let shared = devices
-            .iter()
-            .filter(|d| matches!(d.share, Share::Mib(_)))
-            .count();
-        if shared > 0 && devices.len() > 1 {
+        let gpus = self.shares(&devices);
+        let shared = gpus.iter().filter(|(_, s)| matches!(s, Share::Mib(_))).count();
+        if shared > 0 && gpus.len() > 1 {
             return Err(format!(
                 "ResourceClaim {id}: memory is served from ONE GPU per claim, with no other GPU in it \
-                 ({} devices, {shared} of them shared); ask for each GPU's memory in a claim of its own",
-                devices.len()
+                 ({} GPUs, {shared} of them shared); ask for each GPU's memory in a claim of its own",
+                gpus.len()
             ));
         }
         Ok((owner, devices))
     }
 
-    /// What a container using the claim gets, as a CDI spec.
+    /// What a container using the claim gets, as a CDI spec: one CDI device per GPU.
     fn edits(&self, uid: &str, claim: &CheckpointClaim, shares: &[(usize, Share)]) -> ClaimEdits {
         let mut edits = ClaimEdits::default();
-        let uuids: Vec<&str> = claim.devices.iter().map(|d| d.uuid.as_str()).collect();
+        let mut gpus: Vec<(String, String)> = Vec::new();
+        for d in &claim.devices {
+            if !gpus.iter().any(|(device, _)| *device == d.device) {
+                gpus.push((d.device.clone(), d.uuid.clone()));
+            }
+        }
+        let uuids: Vec<&str> = gpus.iter().map(|(_, uuid)| uuid.as_str()).collect();
         if self.strategy == DeviceListStrategy::Envvar {
             edits.env.insert(VISIBLE_DEVICES_ENV.into(), uuids.join(","));
         }
@@ -331,11 +469,7 @@ impl DraDriver {
                 }
             }
         }
-        edits.devices = claim
-            .devices
-            .iter()
-            .map(|d| (d.device.clone(), d.uuid.clone()))
-            .collect();
+        edits.devices = gpus;
         edits
     }
 
@@ -355,22 +489,35 @@ impl DraDriver {
                     ids.push(format!("nvidia.com/gpu={}", d.uuid));
                 }
                 Device {
-                    request_names: d.requests.clone(),
+                    request_names: vec![d.request.clone()],
                     pool_name: self.node.clone(),
                     device_name: d.device.clone(),
                     cdi_device_ids: ids,
+                    share_id: d.share_id.clone(),
                 }
             })
             .collect()
     }
 
-    fn shares(&self, claim: &CheckpointClaim) -> Vec<(usize, Share)> {
+    /// Per GPU, what the results hold of it together: two requests of one claim may share one
+    /// device (the sum; all of it is the whole GPU).
+    fn shares(&self, devices: &[PreparedDevice]) -> Vec<(usize, Share)> {
         let by_uuid = self.state.inventory.positions_by_uuid();
-        claim
-            .devices
-            .iter()
-            .filter_map(|d| by_uuid.get(&d.uuid).map(|&a| (a, d.share)))
-            .collect()
+        let mut shares: Vec<(usize, Share)> = Vec::new();
+        for d in devices {
+            let Some(&a) = by_uuid.get(&d.uuid) else { continue };
+            let whole = slice::offered_mib(&self.state.inventory, a, self.state.unit_mib);
+            match shares.iter_mut().find(|(g, _)| *g == a) {
+                Some((_, share)) => {
+                    *share = match (*share, d.share) {
+                        (Share::Mib(x), Share::Mib(y)) if x + y < whole => Share::Mib(x + y),
+                        _ => Share::Whole,
+                    }
+                }
+                None => shares.push((a, d.share)),
+            }
+        }
+        shares
     }
 }
 
@@ -380,18 +527,18 @@ impl ClaimPreparer for DraDriver {
         let mut prepared = self.prepared.lock().await;
         if let Some(known) = prepared.claims.get(&claim.uid) {
             // Again (a kubelet restart): the same answer; the spec rewritten in case it was lost.
-            let shares = self.shares(known);
+            let shares = self.shares(&known.devices);
             self.write_cdi(&claim.uid, known, &shares)
                 .map_err(|e| format!("{e:#}"))?;
             return Ok(self.answer(&claim.uid, known));
         }
-        let resource = self.reader.read(&claim.namespace, &claim.name).await?;
+        let resource = self
+            .reader
+            .read(&claim.namespace, &claim.name)
+            .await?
+            .ok_or_else(|| format!("ResourceClaim {}/{} does not exist", claim.namespace, claim.name))?;
         let (owner, devices) = self.shares_of(claim, &resource)?;
-        let by_uuid = self.state.inventory.positions_by_uuid();
-        let shares: Vec<(usize, Share)> = devices
-            .iter()
-            .filter_map(|d| by_uuid.get(&d.uuid).map(|&a| (a, d.share)))
-            .collect();
+        let shares = self.shares(&devices);
         self.state
             .prepare_claim(
                 &claim.uid,
@@ -470,6 +617,37 @@ impl ClaimPreparer for DraDriver {
 
     fn registered(&self, yes: bool) {
         self.metrics.set_registered(&self.driver, yes);
+    }
+
+    fn device_health(&self) -> Vec<DeviceHealth> {
+        self.state
+            .inventory
+            .gpus
+            .iter()
+            .enumerate()
+            .map(|(a, gpu)| {
+                let why = self.state.unhealthy_reason(a);
+                DeviceHealth {
+                    device: Some(DeviceIdentifier {
+                        pool_name: self.node.clone(),
+                        device_name: slice::device_name(gpu.index),
+                    }),
+                    health: if why.is_some() {
+                        HealthStatus::Unhealthy
+                    } else {
+                        HealthStatus::Healthy
+                    } as i32,
+                    message: why.map_or_else(String::new, |why| {
+                        format!("GPU {} {}: {why}", gpu.index, gpu.uuid)
+                    }),
+                    ..Default::default()
+                }
+            })
+            .collect()
+    }
+
+    fn health_changes(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.state.subscribe()
     }
 }
 

@@ -31,6 +31,9 @@ use enforcement::Enforcement;
 use resource::{NodeResource, ResourceKind};
 use state::{HealthPolicy, NodeState};
 
+/// How often prepared DRA claims are checked against the cluster's (adopted, or forgotten).
+const STALE_CLAIMS_EVERY: std::time::Duration = std::time::Duration::from_secs(60);
+
 /// Socket file names in the device-plugin directory.
 pub const GPU_SOCKET: &str = "gpumem-gpu.sock";
 pub const MEM_SOCKET: &str = "gpumem-gpu-mem.sock";
@@ -133,6 +136,12 @@ async fn serve(config: AgentConfig) -> anyhow::Result<()> {
         }
     };
 
+    let mode = match &api_server {
+        Some(api_server) => node_mode(config.mode, api_server).await,
+        None => config.mode,
+    };
+    tracing::info!(?mode, "serving the GPUs");
+
     // The metrics server carries the liveness probe: an agent without it (its port taken) exits, and
     // the DaemonSet's restart shows the error, rather than running unprobed.
     let mut metrics_server = config.metrics_listen.map(|addr| {
@@ -148,7 +157,7 @@ async fn serve(config: AgentConfig) -> anyhow::Result<()> {
 
     let (shutdown_tx, shutdown_rx) = watch::channel(false);
     let mut plugins = JoinSet::new();
-    match config.mode {
+    match mode {
         Mode::Dra => {
             let (Some(api_server), Some(node)) = (&api_server, &config.node_name) else {
                 anyhow::bail!(
@@ -166,6 +175,15 @@ async fn serve(config: AgentConfig) -> anyhow::Result<()> {
                 Arc::clone(&metrics),
                 &config.state_dir,
             )?);
+            tokio::spawn({
+                let driver = Arc::clone(&driver);
+                async move {
+                    loop {
+                        driver.reconcile().await;
+                        tokio::time::sleep(STALE_CLAIMS_EVERY).await;
+                    }
+                }
+            });
             let sysfs = nvml.is_some().then(|| std::path::Path::new("/sys"));
             let roots = crate::gpu::pcie_roots(&state.inventory, sysfs);
             tokio::spawn(dra::publish_slice(
@@ -227,6 +245,33 @@ async fn serve(config: AgentConfig) -> anyhow::Result<()> {
     let _ = shutdown_tx.send(true);
     while plugins.join_next().await.is_some() {}
     outcome
+}
+
+/// The Node's label that chooses the path for this node, over the configured `mode`.
+pub const MODE_LABEL: &str = "gpumem.io/mode";
+
+/// The mode for this node: its [`MODE_LABEL`] when it has one (`device-plugin` or `dra`), else the
+/// configured one. A label with another value is reported on the Node and ignored.
+async fn node_mode(configured: Mode, api_server: &ApiServer) -> Mode {
+    let Some(value) = api_server.node_label(MODE_LABEL).await else {
+        return configured;
+    };
+    match <Mode as clap::ValueEnum>::from_str(&value, false) {
+        Ok(mode) => {
+            if mode != configured {
+                tracing::info!(label = MODE_LABEL, %value, "the Node's label chooses the mode");
+            }
+            mode
+        }
+        Err(_) => {
+            let note = format!(
+                "label {MODE_LABEL}={value:?} is neither device-plugin nor dra; serving as configured ({configured:?})"
+            );
+            tracing::warn!("{note}");
+            api_server.warn("BadModeLabel", note).await;
+            configured
+        }
+    }
 }
 
 /// The two device plugins (`nvidia.com/gpu`, `nvidia.com/gpu-mem`), each registered with the kubelet.

@@ -335,6 +335,14 @@ impl NodeState {
         live
     }
 
+    /// Why GPU `a` is unhealthy; None while it is healthy.
+    pub fn unhealthy_reason(&self, a: usize) -> Option<String> {
+        match &self.lock().health.get(a)? {
+            Health::Healthy => None,
+            Health::Unhealthy { reason, .. } => Some(reason.clone()),
+        }
+    }
+
     /// Whether GPU `a` is healthy.
     pub fn is_healthy(&self, a: usize) -> bool {
         self.lock().health[a] == Health::Healthy

@@ -254,7 +254,7 @@ mod tests {
         let policy = memory.request_policy.as_ref().unwrap();
         assert_eq!(
             policy.default.as_ref().unwrap().0,
-            "15360Mi",
+            "15Gi",
             "no memory asked: the whole GPU"
         );
         let range = policy.valid_range.as_ref().unwrap();

@@ -2,7 +2,8 @@
 //! device-plugin server, it speaks the protocol and nothing else: what preparing a claim means is
 //! the [`ClaimPreparer`]'s (the agent implements it).
 //!
-//! Two sockets: the driver's own (`<pluginDir>/<driver>/dra.sock`, serving `v1.DRAPlugin`) and a
+//! Two sockets: the driver's own (`<pluginDir>/<driver>/dra.sock`, serving `v1.DRAPlugin` and
+//! `v1alpha1.DRAResourceHealth`) and a
 //! registration socket in the kubelet's plugin registry (`<driver>-reg.sock`), which the kubelet's
 //! plugin watcher finds, asks `GetInfo`, and answers with `NotifyRegistrationStatus`. A kubelet
 //! restart keeps both (its watcher walks the registry again); a socket that disappears (the
@@ -26,11 +27,13 @@ use super::proto::dra::{
     Claim, Device, NodePrepareResourceResponse, NodePrepareResourcesRequest, NodePrepareResourcesResponse,
     NodeUnprepareResourceResponse, NodeUnprepareResourcesRequest, NodeUnprepareResourcesResponse,
 };
+use super::proto::drahealth::dra_resource_health_server::{DraResourceHealth, DraResourceHealthServer};
+use super::proto::drahealth::{DeviceHealth, NodeWatchResourcesRequest, NodeWatchResourcesResponse};
 use super::proto::pluginregistration::registration_server::{Registration, RegistrationServer};
 use super::proto::pluginregistration::{
     InfoRequest, PluginInfo, RegistrationStatus, RegistrationStatusResponse,
 };
-use super::proto::{DRA_PLUGIN_TYPE, DRA_SERVICE_V1};
+use super::proto::{DRA_HEALTH_SERVICE, DRA_PLUGIN_TYPE, DRA_SERVICE_V1};
 use crate::liveness::Liveness;
 
 /// How often the sockets are checked for having been removed.
@@ -50,6 +53,68 @@ pub trait ClaimPreparer: Send + Sync + 'static {
     fn served(&self, method: &'static str, claims: usize, failed: usize, seconds: f64);
     /// The kubelet accepted the registration, or refused it, or its socket is gone.
     fn registered(&self, yes: bool);
+    /// Every device of the driver with its health, for the kubelet's health stream.
+    fn device_health(&self) -> Vec<DeviceHealth>;
+    /// Ticks whenever a device's health may have changed.
+    fn health_changes(&self) -> watch::Receiver<u64>;
+}
+
+/// How long one health report holds for the kubelet; reports are sent again well before.
+const HEALTH_REPORT_HOLDS: Duration = Duration::from_secs(60);
+/// Health is sent again this often even when nothing changed.
+const HEALTH_RESEND: Duration = Duration::from_secs(15);
+
+/// The `v1alpha1.DRAResourceHealth` service: the kubelet shows a sick GPU in the status of the pods
+/// that use it.
+#[derive(Clone)]
+pub struct HealthService {
+    pub preparer: Arc<dyn ClaimPreparer>,
+}
+
+impl HealthService {
+    fn report(&self) -> NodeWatchResourcesResponse {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs() as i64);
+        let mut devices = self.preparer.device_health();
+        for d in &mut devices {
+            d.last_updated_time = now;
+            d.health_check_timeout_seconds = HEALTH_REPORT_HOLDS.as_secs() as i64;
+        }
+        NodeWatchResourcesResponse { devices }
+    }
+}
+
+#[tonic::async_trait]
+impl DraResourceHealth for HealthService {
+    type NodeWatchResourcesStream = std::pin::Pin<
+        Box<dyn tokio_stream::Stream<Item = Result<NodeWatchResourcesResponse, Status>> + Send>,
+    >;
+
+    async fn node_watch_resources(
+        &self,
+        _: Request<NodeWatchResourcesRequest>,
+    ) -> Result<Response<Self::NodeWatchResourcesStream>, Status> {
+        let (tx, rx) = tokio::sync::mpsc::channel(4);
+        let service = self.clone();
+        tokio::spawn(async move {
+            let mut changes = service.preparer.health_changes();
+            loop {
+                changes.mark_unchanged();
+                if tx.send(Ok(service.report())).await.is_err() {
+                    return; // the kubelet went away
+                }
+                tokio::select! {
+                    _ = changes.changed() => {}
+                    () = tokio::time::sleep(HEALTH_RESEND) => {}
+                    () = tx.closed() => return,
+                }
+            }
+        });
+        Ok(Response::new(Box::pin(
+            tokio_stream::wrappers::ReceiverStream::new(rx),
+        )))
+    }
 }
 
 /// The `v1.DRAPlugin` service.
@@ -157,7 +222,7 @@ impl Registration for RegistrationService {
             r#type: DRA_PLUGIN_TYPE.into(),
             name: self.driver.clone(),
             endpoint: self.endpoint.display().to_string(),
-            supported_versions: vec![DRA_SERVICE_V1.into()],
+            supported_versions: vec![DRA_SERVICE_V1.into(), DRA_HEALTH_SERVICE.into()],
         }))
     }
 
@@ -233,6 +298,9 @@ pub async fn run(
         let service = tokio::spawn(
             tonic::transport::Server::builder()
                 .add_service(DraPluginServer::new(DraService {
+                    preparer: Arc::clone(&preparer),
+                }))
+                .add_service(DraResourceHealthServer::new(HealthService {
                     preparer: Arc::clone(&preparer),
                 }))
                 .serve_with_incoming(incoming(&sockets.endpoint)?),

@@ -5,6 +5,7 @@
 //!   calls on the kubelet);
 //! - [`podresources`]: the Pod Resources API (`v1`), which gpumem reads from the kubelet;
 //! - [`dra`]: the DRA plugin API v1, which the agent serves as a DRA driver;
+//! - [`drahealth`]: the DRA resource health API v1alpha1, which the driver serves beside it;
 //! - [`pluginregistration`]: how the kubelet's plugin watcher learns of a DRA driver.
 //!
 //! The constant values match the kubelet's own (`k8s.io/kubelet/pkg/apis/deviceplugin/v1beta1`
@@ -27,6 +28,12 @@ pub mod podresources {
 #[allow(missing_docs, clippy::all, clippy::pedantic, clippy::nursery)]
 pub mod dra {
     tonic::include_proto!("k8s.io.kubelet.pkg.apis.dra.v1");
+}
+
+/// DRA resource health v1alpha1 (proto package `v1alpha1`): `dra_resource_health_server`, ...
+#[allow(missing_docs, clippy::all, clippy::pedantic, clippy::nursery)]
+pub mod drahealth {
+    tonic::include_proto!("v1alpha1");
 }
 
 /// Plugin registration v1 (proto package `pluginregistration`): `registration_server`, `PluginInfo`, ...
@@ -63,6 +70,10 @@ pub const DRA_PLUGIN_TYPE: &str = "DRAPlugin";
 
 /// The DRA plugin service this driver serves, as named in `PluginInfo.supported_versions`.
 pub const DRA_SERVICE_V1: &str = "v1.DRAPlugin";
+
+/// The DRA health service, as named in `PluginInfo.supported_versions` (the kubelet calls it
+/// whether listed or not; listing it says we serve it).
+pub const DRA_HEALTH_SERVICE: &str = "v1alpha1.DRAResourceHealth";
 
 /// The DRA driver's default name: its ResourceSlices, DeviceClasses and allocation results carry it,
 /// and attributes without a domain are in it (`device.attributes["gpumem.io"].model`).

@@ -167,10 +167,11 @@ node_within_capacity() {
 
 # --- cluster setup (scripts/e2e.sh, scripts/scale.sh) ---------------------------------------------
 
-# service_account_kubeconfig NAME FILE: a kubeconfig with a token of gpumem-system/NAME.
+# service_account_kubeconfig NAME FILE [TOKEN_FLAGS...]: a kubeconfig with a token of gpumem-system/NAME
+# (`kubectl create token` flags may bind it to a pod).
 service_account_kubeconfig() {
   local token
-  token=$(k -n gpumem-system create token "$1" --duration=2h) || return 1
+  token=$(k -n gpumem-system create token "$1" --duration=2h "${@:3}") || return 1
   cat > "$2" <<EOF
 apiVersion: v1
 kind: Config

@@ -5,9 +5,7 @@
 ALL_SCENARIOS="registration extender_tls canonical_quantities fragmentation whole_gpus xid multi_node agent_restart \
 kubelet_restart scorer_restart claims claims_at_minimum claims_failover overlays"
 
-# On 1.34 and later the node then moves to the DRA path (scenarios in tests/e2e/dra.sh).
-DRA_SCENARIOS=""
-
+# On 1.34 and later the node then moves to the DRA path (DRA_SCENARIOS, in tests/e2e/dra.sh).
 # scenarios_for VERSION: what runs on that Kubernetes version.
 scenarios_for() {
   if [ "$1" == 1.24 ]; then echo "$ALL_SCENARIOS"; else echo "$ALL_SCENARIOS $DRA_SCENARIOS"; fi
@@ -485,6 +483,8 @@ scenario_overlays() {
   local overlay out dir
   for overlay in "$ROOT"/deploy/manifests/overlays/*/; do
     dir=$overlay
+    # The DRA overlay's objects (resource.k8s.io/v1) exist from Kubernetes 1.34.
+    if [ "$(basename "$overlay")" == dra ] && [ "$K8S_VERSION" == 1.24 ]; then continue; fi
     if [ "$(basename "$overlay")" == default-scheduler ]; then
       # Its fixed ClusterIP lies in kubeadm's service range; here the range is 10.0.0.0/24, so the
       # Service's address changes as docs/install.md tells a user to.
