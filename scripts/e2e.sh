@@ -175,7 +175,7 @@ run_cluster() {
   # The project's own RBAC and CRD; the agent, the scorer and the claim controller run as their
   # service accounts.
   local base=$ROOT/deploy/manifests/base
-  if ! k apply -f "$base/namespace.yaml" -f "$base/agent-rbac.yaml" -f "$base/scorer-rbac.yaml" \
+  if ! k apply -f "$base/namespace.yaml" -f "$base/agent-rbac.yaml" -f "$base/agent-dra-rbac.yaml" -f "$base/scorer-rbac.yaml" \
     -f "$base/claims-rbac.yaml" -f "$base/gpuclaim-crd.yaml" -f "$base/priorityclasses.yaml" \
     > "$RUN_OUT/rbac.log" 2>&1; then
     bad "the shipped RBAC and CRD apply" "$(cat "$RUN_OUT/rbac.log")"

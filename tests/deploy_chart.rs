@@ -1,7 +1,8 @@
 //! The Helm chart, rendered without `helm` (tests/deploy_support: the template subset documented in
 //! deploy/helm/gpumem/README.md) for default and non-default values: every object is the typed
 //! Kubernetes object it claims to be, the agent's config file is one the agent accepts, and the
-//! DaemonSet mounts every path that config makes the agent use.
+//! DaemonSet mounts every path that config makes the agent use (the DRA path's among them); the DRA
+//! DeviceClass and admission policy follow the agent's driver name and ServiceAccount.
 
 mod deploy_support;
 
@@ -9,12 +10,16 @@ use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
 use clap::{Args as _, FromArgMatches as _};
-use gpumem::agent::config::{DeviceListStrategy, MemoryLimits};
+use gpumem::agent::config::{DeviceListStrategy, DraConfig, MemoryLimits, Mode};
 use gpumem::agent::{AgentArgs, AgentConfig};
 use gpumem::claim::ControllerArgs;
+use k8s_openapi::api::admissionregistration::v1::{
+    ValidatingAdmissionPolicy, ValidatingAdmissionPolicyBinding,
+};
 use k8s_openapi::api::apps::v1::{DaemonSet, Deployment};
 use k8s_openapi::api::core::v1::{ConfigMap, Container, PodSpec};
 use k8s_openapi::api::rbac::v1::Role;
+use k8s_openapi::api::resource::v1::DeviceClass;
 use serde_json::{Value as Json, json};
 
 use deploy_support::*;
@@ -32,6 +37,10 @@ fn custom_values() -> Json {
             "stateDir": "/opt/gpumem",
             "devicePluginDir": "/data/kubelet/device-plugins",
             "podResourcesDir": "/data/kubelet/pod-resources",
+            "mode": "dra",
+            "kubeletPluginsDir": "/data/kubelet/plugins",
+            "pluginRegistryDir": "/data/kubelet/plugins_registry",
+            "cdiDir": "/etc/cdi",
             "nvml": {"mode": "hostPath", "driverLibDir": "/usr/lib64"},
             "metrics": {"port": 9500},
             "health": {"ignoredXids": [13], "quietPeriodSeconds": 60, "probeIntervalSeconds": 2},
@@ -64,6 +73,7 @@ fn custom_values() -> Json {
             "grafanaDashboard": {"enabled": true}
         },
         "priorityClasses": {"online": {"value": 2000000}, "offline": {"name": "batch"}},
+        "dra": {"driverName": "example.com", "deviceClasses": true, "nodeRestriction": false},
         "quotas": [
             {"namespace": "team-a", "gpuMem": "163840", "gpu": "2"},
             {"namespace": "team-b", "gpuMem": 40960}
@@ -111,6 +121,8 @@ fn default_values_render_the_expected_typed_objects() {
         "ServiceAccount/\"gpumem-agent\"",
         "ClusterRole/\"gpumem-agent\"",
         "ClusterRoleBinding/\"gpumem-agent\"",
+        "ClusterRole/\"gpumem-agent-dra\"",
+        "ClusterRoleBinding/\"gpumem-agent-dra\"",
         "ConfigMap/\"gpumem-agent\"",
         "DaemonSet/\"gpumem-agent\"",
         "ServiceAccount/\"gpumem-scorer\"",
@@ -188,9 +200,14 @@ fn non_default_values_render_typed_objects_that_follow_them() {
         "PrometheusRule/\"gpumem\"",
         "ConfigMap/\"gpumem-dashboard\"",
         "PriorityClass/\"batch\"",
+        "DeviceClass/\"gpu.example.com\"",
     ] {
         assert!(names.contains(want), "{want} missing from {names:?}");
     }
+    assert!(
+        !names.iter().any(|n| n.starts_with("ValidatingAdmissionPolicy")),
+        "dra.nodeRestriction false: no policy: {names:?}"
+    );
     let ds: DaemonSet = get(&docs, "DaemonSet", "gpumem-agent");
     let spec = pod_spec(&ds);
     assert!(
@@ -307,8 +324,28 @@ fn the_agent_accepts_the_rendered_config_file() {
     assert_eq!(config.ignored_xids, default.ignored_xids);
     assert_eq!(config.health_quiet_period, default.health_quiet_period);
     assert_eq!(config.nvml_lib, None);
+    assert_eq!(config.mode, Mode::DevicePlugin);
+    assert_eq!(
+        config.dra,
+        DraConfig::default(),
+        "the chart's DRA directories are the agent's defaults"
+    );
+    assert_eq!(
+        config.dra.endpoint(),
+        Path::new("/var/lib/kubelet/plugins/gpumem.io/dra.sock")
+    );
 
     let (config, _) = agent_config(&objects(&custom_values()), dir.path());
+    assert_eq!(config.mode, Mode::Dra);
+    assert_eq!(
+        config.dra,
+        DraConfig {
+            driver_name: "example.com".into(),
+            registry_dir: "/data/kubelet/plugins_registry".into(),
+            plugin_dir: "/data/kubelet/plugins".into(),
+            cdi_dir: "/etc/cdi".into(),
+        }
+    );
     assert_eq!(config.mem_unit_mib, 4);
     assert_eq!(config.mem_resource, "example.com/vram");
     assert_eq!(config.memory_limits, MemoryLimits::Off);
@@ -365,6 +402,15 @@ fn the_daemonset_mounts_every_path_the_agent_uses() {
         if config.memory_limits == MemoryLimits::Enforce {
             same_path.push(config.shim_path.parent().unwrap().to_path_buf());
         }
+        // The DRA path, on every node whatever agent.mode (a node's label gpumem.io/mode switches
+        // it): the registration socket and the driver's socket the kubelet dials by host path, and
+        // the CDI specs the container runtime reads by host path. The agent creates all three.
+        let dra = [
+            config.dra.registry_dir.clone(),
+            config.dra.endpoint().parent().unwrap().to_path_buf(),
+            config.dra.cdi_dir.clone(),
+        ];
+        same_path.extend(dra.iter().cloned());
         for path in &same_path {
             assert_eq!(
                 host_path_of(spec, agent, path).as_deref(),
@@ -390,6 +436,33 @@ fn the_daemonset_mounts_every_path_the_agent_uses() {
             writable(&config.state_dir),
             "the agent writes accounting dirs there"
         );
+        for path in &dra {
+            assert!(writable(path), "the agent creates files in {}", path.display());
+        }
+        for dir in [
+            &config.dra.registry_dir,
+            &config.dra.plugin_dir,
+            &config.dra.cdi_dir,
+        ] {
+            let mount = agent
+                .volume_mounts
+                .iter()
+                .flatten()
+                .find(|m| Path::new(&m.mount_path) == dir.as_path())
+                .unwrap_or_else(|| panic!("{} is mounted as such", dir.display()));
+            let volume = spec
+                .volumes
+                .iter()
+                .flatten()
+                .find(|v| v.name == mount.name)
+                .unwrap();
+            assert_eq!(
+                volume.host_path.as_ref().unwrap().type_.as_deref(),
+                Some("DirectoryOrCreate"),
+                "{}: the kubelet or the runtime may not have made it yet",
+                dir.display()
+            );
+        }
         if let Some(nvml) = &config.nvml_lib {
             let host = host_path_of(spec, agent, nvml).expect("the NVML library is mounted");
             assert!(host.ends_with("libnvidia-ml.so.1"), "{}", host.display());
@@ -441,6 +514,159 @@ fn the_daemonset_mounts_every_path_the_agent_uses() {
                 "installed by rename, never overwritten in place"
             );
         }
+    }
+}
+
+/// The DRA objects of templates/dra.yaml, by template (the ClusterRole for the DRA path is in
+/// agent-dra-rbac.yaml, whatever the values).
+fn dra_objects(docs: &[(String, Json)]) -> BTreeSet<String> {
+    kinds_and_names(
+        &docs
+            .iter()
+            .filter(|(t, _)| t == "templates/dra.yaml")
+            .cloned()
+            .collect::<Vec<_>>(),
+    )
+}
+
+#[test]
+fn the_dra_objects_follow_the_agents_driver_and_service_account() {
+    // The DeviceClass selects the devices of the driver the agent publishes as.
+    let dra_on = json!({"dra": {"deviceClasses": true, "nodeRestriction": true}});
+    for values in [
+        dra_on.clone(),
+        custom_values(),
+        json!({"dra": {"driverName": "gpus.example.org", "deviceClasses": true}}),
+    ] {
+        let docs = objects(&values);
+        let (config, _) = agent_config(&docs, tempfile::tempdir().unwrap().path());
+        let name = format!("gpu.{}", config.dra.driver_name);
+        let class: DeviceClass = get(&docs, "DeviceClass", &name);
+        let selectors = class.spec.selectors.unwrap_or_default();
+        let expressions: Vec<_> = selectors
+            .iter()
+            .map(|s| s.cel.as_ref().unwrap().expression.as_str())
+            .collect();
+        assert_eq!(
+            expressions,
+            [format!("device.driver == \"{}\"", config.dra.driver_name)],
+            "{name}"
+        );
+        assert!(class.spec.config.is_none() && class.spec.extended_resource_name.is_none());
+    }
+
+    // The policy holds the ServiceAccount the agent's DaemonSet runs as, and only it, for every write
+    // of a ResourceSlice, to the node its token is bound to.
+    let docs = objects(&dra_on);
+    let ds: DaemonSet = get(&docs, "DaemonSet", "gpumem-agent");
+    let account = format!(
+        "system:serviceaccount:{}:{}",
+        ds.metadata.namespace.as_deref().unwrap(),
+        pod_spec(&ds).service_account_name.as_deref().unwrap()
+    );
+    let policy: ValidatingAdmissionPolicy = get(&docs, "ValidatingAdmissionPolicy", "gpumem-agent-slices");
+    let spec = policy.spec.unwrap();
+    assert_eq!(spec.failure_policy.as_deref(), Some("Fail"));
+    assert!(spec.param_kind.is_none());
+    let rules = spec.match_constraints.unwrap().resource_rules.unwrap_or_default();
+    assert_eq!(rules.len(), 1);
+    assert_eq!(
+        rules[0].api_groups.as_deref(),
+        Some(&["resource.k8s.io".to_string()][..])
+    );
+    assert_eq!(rules[0].api_versions.as_deref(), Some(&["*".to_string()][..]));
+    assert_eq!(
+        rules[0].resources.as_deref(),
+        Some(&["resourceslices".to_string()][..])
+    );
+    let operations: BTreeSet<_> = rules[0].operations.iter().flatten().map(String::as_str).collect();
+    assert_eq!(operations, BTreeSet::from(["CREATE", "UPDATE", "DELETE"]));
+    let conditions: Vec<_> = spec
+        .match_conditions
+        .unwrap_or_default()
+        .into_iter()
+        .map(|c| c.expression)
+        .collect();
+    assert_eq!(conditions, [format!("request.userInfo.username == '{account}'")]);
+    let variables: Vec<_> = spec
+        .variables
+        .unwrap_or_default()
+        .into_iter()
+        .map(|v| (v.name, v.expression))
+        .collect();
+    assert_eq!(
+        variables,
+        [
+            (
+                "userNode".to_string(),
+                "request.userInfo.extra[?'authentication.kubernetes.io/node-name'][0].orValue('')"
+                    .to_string()
+            ),
+            (
+                "objectNode".to_string(),
+                "(request.operation == 'DELETE' ? oldObject : object).spec.?nodeName.orValue('')".to_string()
+            ),
+        ]
+    );
+    let validations = spec.validations.unwrap_or_default();
+    let expressions: Vec<_> = validations.iter().map(|v| v.expression.as_str()).collect();
+    assert_eq!(
+        expressions,
+        [
+            "variables.userNode != ''",
+            "variables.userNode == '' || variables.objectNode == variables.userNode"
+        ]
+    );
+    for v in &validations {
+        assert_eq!(v.reason.as_deref(), Some("Forbidden"));
+        let message = v.message_expression.as_deref().expect("a messageExpression");
+        assert!(
+            message.contains("ResourceSlices") && !message.contains('\n'),
+            "{message}"
+        );
+    }
+    assert!(
+        validations[1]
+            .message_expression
+            .as_deref()
+            .unwrap()
+            .contains("variables.objectNode")
+    );
+    let binding: ValidatingAdmissionPolicyBinding =
+        get(&docs, "ValidatingAdmissionPolicyBinding", "gpumem-agent-slices");
+    let binding = binding.spec;
+    assert_eq!(binding.policy_name, "gpumem-agent-slices");
+    assert_eq!(binding.validation_actions, ["Deny"]);
+    assert!(binding.param_ref.is_none() && binding.match_resources.is_none());
+
+    // The switches.
+    let all = BTreeSet::from([
+        "DeviceClass/\"gpu.gpumem.io\"".to_string(),
+        "ValidatingAdmissionPolicy/\"gpumem-agent-slices\"".to_string(),
+        "ValidatingAdmissionPolicyBinding/\"gpumem-agent-slices\"".to_string(),
+    ]);
+    assert_eq!(dra_objects(&docs), all);
+    // Off by default: a cluster before 1.34 knows neither kind, and the install would fail.
+    assert!(dra_objects(&objects(&json!({}))).is_empty());
+    for (device_classes, node_restriction) in [(false, true), (true, false), (false, false)] {
+        let docs =
+            objects(&json!({"dra": {"deviceClasses": device_classes, "nodeRestriction": node_restriction}}));
+        let want: BTreeSet<String> = all
+            .iter()
+            .filter(|n| {
+                if n.starts_with("DeviceClass/") {
+                    device_classes
+                } else {
+                    node_restriction
+                }
+            })
+            .cloned()
+            .collect();
+        assert_eq!(dra_objects(&docs), want, "{device_classes} {node_restriction}");
+        assert!(
+            find(&docs, "ClusterRole", "gpumem-agent-dra").is_some(),
+            "the agent's DRA rules stay: a node's label may switch it"
+        );
     }
 }
 
@@ -506,8 +732,8 @@ fn the_agent_runs_with_least_privilege_in_runtime_mode() {
     for v in spec.volumes.iter().flatten() {
         if let Some(hp) = &v.host_path {
             assert!(
-                hp.path.starts_with("/var/lib/"),
-                "only the kubelet's and gpumem's directories: {}",
+                hp.path.starts_with("/var/lib/") || hp.path == "/var/run/cdi",
+                "only the kubelet's, gpumem's and CDI's directories: {}",
                 hp.path
             );
         }

@@ -3,12 +3,17 @@
 //! as; the claim controller's grants are exactly the calls it makes, its Lease's among them; the
 //! second scheduler gets the built-in scheduler roles and its own Lease. What the rules grant is held to what
 //! the code does by the agent's and the scorer's own tests: their fake API servers authorize every
-//! request against these roles, and a test of each uses every grant (tests/support/k8s.rs).
+//! request against these roles, and a test of each uses every grant (tests/support/k8s.rs). The
+//! ValidatingAdmissionPolicy that RBAC needs for ResourceSlices holds the agent's own account, for
+//! every slice write its roles allow.
 
 mod deploy_support;
 
 use std::collections::BTreeSet;
 
+use k8s_openapi::api::admissionregistration::v1::{
+    ValidatingAdmissionPolicy, ValidatingAdmissionPolicyBinding,
+};
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, Role, RoleBinding};
 use serde_json::{Value as Json, json};
 
@@ -59,15 +64,15 @@ fn check(docs: &[Json], what: &str) {
     let roles: Vec<ClusterRole> = of_kind(docs, "ClusterRole");
     let bindings: Vec<ClusterRoleBinding> = of_kind(docs, "ClusterRoleBinding");
     let defaults = chart(&json!({}));
-    for (component, workload_kind) in [
-        ("agent", "DaemonSet"),
-        ("scorer", "Deployment"),
-        ("claims", "Deployment"),
+    for (name, workload_kind, workload_name) in [
+        ("gpumem-agent", "DaemonSet", "gpumem-agent"),
+        ("gpumem-agent-dra", "DaemonSet", "gpumem-agent"),
+        ("gpumem-scorer", "Deployment", "gpumem-scorer"),
+        ("gpumem-claims", "Deployment", "gpumem-claims"),
     ] {
-        let name = format!("gpumem-{component}");
         assert_eq!(
-            rules(docs, &name, what),
-            rules(&defaults, &name, "chart, default values"),
+            rules(docs, name, what),
+            rules(&defaults, name, "chart, default values"),
             "{what}: rules of {name}"
         );
         let binding = bindings.iter().find(|b| b.role_ref.name == name).unwrap();
@@ -76,7 +81,7 @@ fn check(docs: &[Json], what: &str) {
         assert_eq!(subjects.len(), 1);
         let workload = docs
             .iter()
-            .find(|d| d["kind"] == workload_kind && d["metadata"]["name"] == name.as_str())
+            .find(|d| d["kind"] == workload_kind && d["metadata"]["name"] == workload_name)
             .unwrap();
         assert_eq!(
             workload["spec"]["template"]["spec"]["serviceAccountName"],
@@ -98,6 +103,7 @@ fn check(docs: &[Json], what: &str) {
         ours,
         set(&[
             "gpumem-agent",
+            "gpumem-agent-dra",
             "gpumem-scorer",
             "gpumem-claims",
             "gpumem-gpuclaims-edit",
@@ -107,6 +113,10 @@ fn check(docs: &[Json], what: &str) {
     );
     check_user_roles(&roles, what);
     check_claims(docs, what);
+    // The admission policy ships when the DRA path's objects do (dra.nodeRestriction).
+    if docs.iter().any(|d| d["kind"] == "ValidatingAdmissionPolicy") {
+        check_slice_policy(docs, what);
+    }
     let roles: Vec<Role> = of_kind(docs, "Role");
     let role_bindings: Vec<RoleBinding> = of_kind(docs, "RoleBinding");
     // A Role for each Lease, nothing else.
@@ -257,6 +267,88 @@ fn check_claims(docs: &[Json], what: &str) {
     );
 }
 
+/// The admission policy that keeps each agent to its own node's ResourceSlices (RBAC cannot): it
+/// matches the account the agent's DaemonSet runs as, the one its DRA role is bound to, and every
+/// write of a slice that the agent's roles allow.
+fn check_slice_policy(docs: &[Json], what: &str) {
+    let find = |kind: &str, name: &str| {
+        docs.iter()
+            .find(|d| d["kind"] == kind && d["metadata"]["name"] == name)
+            .unwrap_or_else(|| panic!("{what}: no {kind} {name}"))
+    };
+    let agent = find("DaemonSet", "gpumem-agent");
+    let account = format!(
+        "system:serviceaccount:{}:{}",
+        agent["metadata"]["namespace"].as_str().unwrap(),
+        agent["spec"]["template"]["spec"]["serviceAccountName"]
+            .as_str()
+            .unwrap()
+    );
+    let dra_binding: ClusterRoleBinding = parse(find("ClusterRoleBinding", "gpumem-agent-dra"));
+    let subject = &dra_binding.subjects.as_ref().unwrap()[0];
+    assert_eq!(
+        format!(
+            "system:serviceaccount:{}:{}",
+            subject.namespace.as_deref().unwrap(),
+            subject.name
+        ),
+        account,
+        "{what}"
+    );
+    let policy: ValidatingAdmissionPolicy = parse(find("ValidatingAdmissionPolicy", "gpumem-agent-slices"));
+    let spec = policy.spec.unwrap();
+    let conditions: Vec<_> = spec
+        .match_conditions
+        .iter()
+        .flatten()
+        .map(|c| c.expression.as_str())
+        .collect();
+    assert_eq!(
+        conditions,
+        [format!("request.userInfo.username == '{account}'")],
+        "{what}: the policy holds the agent's account"
+    );
+    // The admission operations of the agent's grants on resourceslices (a server-side apply, a
+    // patch, creates the slice when there is none).
+    let mut granted = rules(docs, "gpumem-agent", what);
+    granted.extend(rules(docs, "gpumem-agent-dra", what));
+    let mut needed = BTreeSet::new();
+    for grant in &granted {
+        if let Some(verb) = grant.strip_prefix("resource.k8s.io/resourceslices:") {
+            needed.extend(match verb {
+                "create" => &["CREATE"][..],
+                "update" => &["UPDATE"][..],
+                "patch" => &["CREATE", "UPDATE"][..],
+                "delete" | "deletecollection" => &["DELETE"][..],
+                _ => &[][..],
+            });
+        }
+    }
+    assert!(!needed.is_empty(), "{what}: the agent writes ResourceSlices");
+    let rules = spec.match_constraints.unwrap().resource_rules.unwrap_or_default();
+    let covered: BTreeSet<&str> = rules
+        .iter()
+        .filter(|r| {
+            r.api_groups.iter().flatten().any(|g| g == "resource.k8s.io")
+                && r.resources.iter().flatten().any(|g| g == "resourceslices")
+                && r.api_versions.iter().flatten().any(|v| v == "*")
+        })
+        .flat_map(|r| r.operations.iter().flatten().map(String::as_str))
+        .collect();
+    assert!(
+        needed.is_subset(&covered),
+        "{what}: the agent may {needed:?} ResourceSlices, the policy sees {covered:?}"
+    );
+    let binding: ValidatingAdmissionPolicyBinding =
+        parse(find("ValidatingAdmissionPolicyBinding", "gpumem-agent-slices"));
+    assert_eq!(
+        Some(&binding.spec.policy_name),
+        policy.metadata.name.as_ref(),
+        "{what}"
+    );
+    assert_eq!(binding.spec.validation_actions, ["Deny"], "{what}");
+}
+
 /// The Lease name in the second scheduler's configuration.
 fn scheduler_name(docs: &[Json]) -> String {
     let cm = docs
@@ -291,12 +383,15 @@ fn the_chart_grants_the_same_with_any_values() {
         &chart(&json!({"scheduler": {"mode": "none"}})),
         "chart, no second scheduler",
     );
+    let dra = chart(&json!({"dra": {"deviceClasses": true, "nodeRestriction": true}}));
+    assert!(dra.iter().any(|d| d["kind"] == "ValidatingAdmissionPolicy"));
+    check(&dra, "chart, the DRA path's objects");
 }
 
 #[test]
 fn the_manifests_grant_what_the_chart_grants() {
     let mut docs = Vec::new();
-    for dir in ["base", "components/second-scheduler"] {
+    for dir in ["base", "components/second-scheduler", "components/dra"] {
         for path in files_under(&repo().join("deploy/manifests").join(dir), &[".yaml"]) {
             docs.extend(yaml_docs(&read(&path), &path.display().to_string()));
         }
@@ -306,7 +401,7 @@ fn the_manifests_grant_what_the_chart_grants() {
 
 #[test]
 fn a_rule_too_many_or_too_few_fails() {
-    let docs = chart(&json!({}));
+    let docs = chart(&json!({"dra": {"deviceClasses": true, "nodeRestriction": true}}));
     for change in [json!("list"), json!(null)] {
         let mut docs = docs.clone();
         let role = docs
@@ -346,4 +441,40 @@ fn a_rule_too_many_or_too_few_fails() {
     }
     let result = std::panic::catch_unwind(|| check_claims(&renamed, "lease renamed"));
     assert!(result.is_err(), "a Lease grant by another name must fail");
+    // The agent's DRA role is held like the others; the slice policy must see every slice write the
+    // agent may make (here DELETE, which agent-rbac.yaml grants) and hold the agent's own account.
+    let mut dra = docs.clone();
+    for d in dra
+        .iter_mut()
+        .filter(|d| d["kind"] == "ClusterRole" && d["metadata"]["name"] == "gpumem-agent-dra")
+    {
+        d["rules"][1]["verbs"]
+            .as_array_mut()
+            .unwrap()
+            .push(json!("deletecollection"));
+    }
+    let result = std::panic::catch_unwind(|| check(&dra, "claims deletecollection"));
+    assert!(result.is_err(), "a changed agent DRA role must fail the check");
+    let mut blind = docs.clone();
+    for d in blind
+        .iter_mut()
+        .filter(|d| d["kind"] == "ValidatingAdmissionPolicy")
+    {
+        d["spec"]["matchConstraints"]["resourceRules"][0]["operations"] = json!(["CREATE", "UPDATE"]);
+    }
+    let result = std::panic::catch_unwind(|| check_slice_policy(&blind, "no DELETE"));
+    assert!(result.is_err(), "a policy that lets deletes through must fail");
+    let mut other = docs.clone();
+    for d in other
+        .iter_mut()
+        .filter(|d| d["kind"] == "DaemonSet" && d["metadata"]["name"] == "gpumem-agent")
+    {
+        d["spec"]["template"]["spec"]["serviceAccountName"] = json!("someone-else");
+    }
+    let result = std::panic::catch_unwind(|| check_slice_policy(&other, "another account"));
+    assert!(
+        result.is_err(),
+        "a policy on another account than the agent's must fail"
+    );
+    check_slice_policy(&docs, "unchanged");
 }

@@ -245,16 +245,25 @@ impl DraDriver {
     /// Brings the prepared claims in line with the cluster: adopts the claims allocated on this node
     /// and reserved for a pod that the agent does not know of (its checkpoint was lost or spoiled:
     /// their pods run, and their memory must count), then unprepares those nobody uses any more.
-    pub async fn reconcile(&self) {
-        match self.reader.list().await {
-            Ok(claims) => {
-                for resource in claims {
-                    self.adopt(&resource).await;
+    ///
+    /// Adopting lists every claim of the cluster, so it is done until it has succeeded once (at
+    /// start); forgetting reads only the claims prepared here. Returns whether adopting is done.
+    pub async fn reconcile(&self, adopt: bool) -> bool {
+        let adopted = !adopt
+            || match self.reader.list().await {
+                Ok(claims) => {
+                    for resource in claims {
+                        self.adopt(&resource).await;
+                    }
+                    true
                 }
-            }
-            Err(err) => tracing::debug!(error = %err, "cannot list claims to adopt; later"),
-        }
+                Err(err) => {
+                    tracing::warn!(error = %err, "cannot list claims to adopt those in use; trying again");
+                    false
+                }
+            };
         self.forget_stale().await;
+        adopted
     }
 
     /// Records a claim allocated here and in use that was never prepared by this agent's checkpoint.
@@ -283,15 +292,18 @@ impl DraDriver {
             return;
         };
         let shares = self.shares(&devices);
-        // Its pod may be running: recorded as it is, as a restored claim is (a GPU that turned sick
-        // since still holds it).
-        self.state.restore_claims([(
-            claim.uid.clone(),
+        // Its pod may be running: a GPU that turned sick since still holds it; what the node's
+        // picture cannot hold (a whole GPU with memory shared out) stays refused.
+        if let Err(err) = self.state.adopt_claim(
+            &claim.uid,
             PreparedClaim {
                 owner: owner.clone(),
                 shares: shares.clone(),
             },
-        )]);
+        ) {
+            tracing::warn!(uid = %claim.uid, error = %err, "a claim allocated on this node does not fit its picture: not adopted");
+            return;
+        }
         let record = CheckpointClaim {
             namespace: claim.namespace.clone(),
             name: claim.name.clone(),
@@ -726,7 +738,17 @@ pub async fn publish_slice(
             }
             (None, _) | (_, None) => false,
         };
-        let unchanged = written.as_ref().is_some_and(|(spec, _)| *spec == desired);
+        // Before our first write, the slice an earlier run left counts as ours if it shows this picture.
+        let unchanged = match (&written, known) {
+            (Some((spec, _)), _) => *spec == desired,
+            (None, Some(slice)) => {
+                let mut stored = slice.spec.clone();
+                stored.pool.generation = 0;
+                stored == desired
+            }
+            (None, None) => false,
+        };
+        let untouched = untouched || (written.is_none() && unchanged);
         if untouched && unchanged && last_write.elapsed() < RESYNC {
             backoff = Duration::from_secs(1);
             continue;

@@ -120,11 +120,7 @@ async fn serve(config: AgentConfig) -> anyhow::Result<()> {
 
     let api_server = match &config.node_name {
         Some(node) => match ApiServer::connect(node.clone()).await {
-            Ok(api_server) => {
-                let api_server = Arc::new(api_server);
-                tokio::spawn(Arc::clone(&api_server).publish(Arc::clone(&state)));
-                Some(api_server)
-            }
+            Ok(api_server) => Some(Arc::new(api_server)),
             Err(err) => {
                 tracing::warn!(error = %err, "no API server: not publishing the Node's GPU picture");
                 None
@@ -178,8 +174,9 @@ async fn serve(config: AgentConfig) -> anyhow::Result<()> {
             tokio::spawn({
                 let driver = Arc::clone(&driver);
                 async move {
+                    let mut adopt = true;
                     loop {
-                        driver.reconcile().await;
+                        adopt = !driver.reconcile(adopt).await;
                         tokio::time::sleep(STALE_CLAIMS_EVERY).await;
                     }
                 }
@@ -225,6 +222,11 @@ async fn serve(config: AgentConfig) -> anyhow::Result<()> {
             )
             .await;
         }
+    }
+
+    // Published once the picture is whole: on the DRA path, after the prepared claims are back.
+    if let Some(api_server) = &api_server {
+        tokio::spawn(Arc::clone(api_server).publish(Arc::clone(&state)));
     }
 
     let mut terminate = signal(SignalKind::terminate())?;

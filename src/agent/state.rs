@@ -718,6 +718,16 @@ impl NodeState {
     /// GPU, a whole GPU that holds shared memory, memory on a GPU held whole, or more memory than the
     /// GPU has left. Preparing a claim already recorded changes nothing.
     pub fn prepare_claim(&self, uid: &str, claim: PreparedClaim) -> Result<(), RequestError> {
+        self.record_claim(uid, claim, true)
+    }
+
+    /// Records a claim already in use (adopted from the API server): the same checks but health, as
+    /// a GPU that fell sick since still holds what its pod has.
+    pub fn adopt_claim(&self, uid: &str, claim: PreparedClaim) -> Result<(), RequestError> {
+        self.record_claim(uid, claim, false)
+    }
+
+    fn record_claim(&self, uid: &str, claim: PreparedClaim, check_health: bool) -> Result<(), RequestError> {
         let mut inner = self.lock();
         if inner.claims.contains_key(uid) {
             return Ok(());
@@ -729,7 +739,9 @@ impl NodeState {
                     "claim {uid}: no GPU at position {a}"
                 )));
             };
-            if let Health::Unhealthy { reason, .. } = &inner.health[a] {
+            if let Health::Unhealthy { reason, .. } = &inner.health[a]
+                && check_health
+            {
                 return Err(RequestError::Unavailable(format!(
                     "GPU {} is unhealthy: {reason}",
                     gpu.index

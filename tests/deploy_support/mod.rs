@@ -334,7 +334,9 @@ pub fn rendered_docs(rendered: &[Rendered]) -> Vec<(String, Json)> {
 /// equal, so a misspelt or misplaced field (which serde would otherwise skip) fails. Returns the
 /// kind. CRDs and configuration kinds go through the strict structs below.
 pub fn check_typed(doc: &Json) -> Result<String, String> {
-    use k8s_openapi::api::{apps, core, networking, policy, rbac, scheduling};
+    use k8s_openapi::api::{
+        admissionregistration, apps, core, networking, policy, rbac, resource, scheduling,
+    };
     use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions;
     let api = doc["apiVersion"].as_str().ok_or("no apiVersion")?;
     let kind = doc["kind"].as_str().ok_or("no kind")?;
@@ -355,6 +357,14 @@ pub fn check_typed(doc: &Json) -> Result<String, String> {
         "rbac.authorization.k8s.io/v1/Role" => round_trip::<rbac::v1::Role>(doc),
         "rbac.authorization.k8s.io/v1/RoleBinding" => round_trip::<rbac::v1::RoleBinding>(doc),
         "scheduling.k8s.io/v1/PriorityClass" => round_trip::<scheduling::v1::PriorityClass>(doc),
+        "resource.k8s.io/v1/DeviceClass" => round_trip::<resource::v1::DeviceClass>(doc),
+        "resource.k8s.io/v1/ResourceClaimTemplate" => round_trip::<resource::v1::ResourceClaimTemplate>(doc),
+        "admissionregistration.k8s.io/v1/ValidatingAdmissionPolicy" => {
+            round_trip::<admissionregistration::v1::ValidatingAdmissionPolicy>(doc)
+        }
+        "admissionregistration.k8s.io/v1/ValidatingAdmissionPolicyBinding" => {
+            round_trip::<admissionregistration::v1::ValidatingAdmissionPolicyBinding>(doc)
+        }
         "apiextensions.k8s.io/v1/CustomResourceDefinition" => {
             round_trip::<apiextensions::v1::CustomResourceDefinition>(doc)
         }

@@ -6,7 +6,8 @@
 
 DRA_SCENARIOS="dra_switch dra_claims dra_fragmentation dra_whole dra_xid dra_restarts dra_node_restriction"
 DRIVER=gpumem.io
-SLICE=$REAL_NODE-$DRIVER
+# The node's ResourceSlice.
+slice_name() { echo "$REAL_NODE-$DRIVER"; }
 
 # new_claim_pod NAME TEMPLATE: a sleeping busybox pod on the real node with one claim from TEMPLATE.
 new_claim_pod() {
@@ -36,9 +37,9 @@ EOF
 claim_template() {
   local capacity=""
   [ -z "$2" ] || capacity="
-          capacity:
-            requests:
-              memory: $2"
+            capacity:
+              requests:
+                memory: $2"
   kn apply -f - > /dev/null <<EOF
 apiVersion: resource.k8s.io/v1
 kind: ResourceClaimTemplate
@@ -58,9 +59,9 @@ claim_name() { pod_field "$1" '.status.resourceClaimStatuses[0].resourceClaimNam
 # claim_result POD FIELD: a field of the first allocation result of the pod's claim.
 claim_result() { kn get resourceclaim "$(claim_name "$1")" -o "jsonpath={.status.allocation.devices.results[0].$2}" 2> /dev/null; }
 claim_device() { claim_result "$1" device; }
-slice_devices() { k get resourceslice "$SLICE" -o 'jsonpath={.spec.devices[*].name}' 2> /dev/null; }
+slice_devices() { k get resourceslice "$(slice_name)" -o 'jsonpath={.spec.devices[*].name}' 2> /dev/null; }
 slice_devices_are() { [ "$(slice_devices)" == "$1" ]; }
-slice_generation() { k get resourceslice "$SLICE" -o 'jsonpath={.spec.pool.generation}' 2> /dev/null; }
+slice_generation() { k get resourceslice "$(slice_name)" -o 'jsonpath={.spec.pool.generation}' 2> /dev/null; }
 dra_registrations() { grep -c 'registered with the kubelet as a DRA driver' "$RUN_OUT/agent.log"; }
 dra_registered_since() { [ "$(dra_registrations)" -gt "$1" ]; }
 has_pending_reason() { has_event "$1" "cannot allocate all claims"; }
@@ -127,18 +128,18 @@ EOF
   eventually "the agent registers with the kubelet as a DRA driver" 60 dra_registered_since "$registrations"
   eventually "the ResourceSlice shows every GPU" 30 slice_devices_are "gpu-0 gpu-1 gpu-2 gpu-3"
   expect_eq "each device's memory capacity" "32Gi 32Gi 15Gi 15Gi" \
-    "$(k get resourceslice "$SLICE" -o 'jsonpath={.spec.devices[*].capacity.memory.value}')"
+    "$(k get resourceslice "$(slice_name)" -o 'jsonpath={.spec.devices[*].capacity.memory.value}')"
   expect_eq "each device shareable" "true true true true" \
-    "$(k get resourceslice "$SLICE" -o 'jsonpath={.spec.devices[*].allowMultipleAllocations}')"
+    "$(k get resourceslice "$(slice_name)" -o 'jsonpath={.spec.devices[*].allowMultipleAllocations}')"
   expect_eq "the request policy: 1Mi steps" "1Mi 1Mi 1Mi 1Mi" \
-    "$(k get resourceslice "$SLICE" -o 'jsonpath={.spec.devices[*].capacity.memory.requestPolicy.validRange.step}')"
+    "$(k get resourceslice "$(slice_name)" -o 'jsonpath={.spec.devices[*].capacity.memory.requestPolicy.validRange.step}')"
   local described
-  described=$(k describe resourceslice "$SLICE")
+  described=$(k describe resourceslice "$(slice_name)")
   printf '%s\n' "$described" > "$RUN_OUT/resourceslice.txt"
   expect_contains "kubectl describe resourceslice: the model" "Tesla V100-SXM2-32GB" "$described"
   expect_contains "kubectl describe resourceslice: the PCIe root" "resource.kubernetes.io/pcieRoot" "$described"
-  expect_eq "kubectl get resourceslices: driver and node" "$SLICE $REAL_NODE $DRIVER" \
-    "$(k get resourceslices --no-headers | awk -v s="$SLICE" '$1 == s {print $1, $2, $3}')"
+  expect_eq "kubectl get resourceslices: driver and node" "$(slice_name) $REAL_NODE $DRIVER" \
+    "$(k get resourceslices --no-headers | awk -v s="$(slice_name)" '$1 == s {print $1, $2, $3}')"
   eventually "the device plugins are gone: no allocatable nvidia.com/gpu" 60 node_alloc_is "$REAL_NODE" nvidia.com/gpu 0
   expect_contains "agent metrics: the driver registered" 'gpumem_plugin_registered{resource="gpumem.io"} 1' \
     "$(curl -s "http://$AGENT_METRICS/metrics")"
@@ -277,13 +278,13 @@ scenario_dra_restarts() {
 scenario_dra_node_restriction() {
   scenario "DRA: the agent's credentials write only its own node's slice"
   local other
-  other=$(sed "s/$REAL_NODE/gpu-node-2/g" <<< "$(k get resourceslice "$SLICE" -o json | python3 -c '
+  other=$(sed "s/$REAL_NODE/gpu-node-2/g" <<< "$(k get resourceslice "$(slice_name)" -o json | python3 -c '
 import json, sys
 s = json.load(sys.stdin)
 print(json.dumps({"apiVersion": s["apiVersion"], "kind": s["kind"], "metadata": {"name": s["metadata"]["name"]}, "spec": s["spec"]}))')")
   local out
   out=$(kubectl --kubeconfig "$RUN_OUT/agent.kubeconfig" create -f - 2>&1 <<< "$other")
   expect_contains "a slice for another node is refused" "denied" "$out"
-  out=$(kubectl --kubeconfig "$RUN_OUT/agent.kubeconfig" delete resourceslice "$SLICE" --dry-run=server 2>&1)
+  out=$(kubectl --kubeconfig "$RUN_OUT/agent.kubeconfig" delete resourceslice "$(slice_name)" --dry-run=server 2>&1)
   expect_contains "deleting its own node's slice is allowed" "deleted" "$out"
 }

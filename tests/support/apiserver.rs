@@ -1,8 +1,17 @@
 //! A fake Kubernetes API server on 127.0.0.1 for the agent's tests: records what the agent writes
-//! (server-side apply of its Node, events) and serves the pods it lists. Real HTTP, real JSON, the
-//! paths and verbs kube-rs uses; only what the agent calls is implemented. Like a real one it
-//! authorizes each request against the agent's shipped RBAC role (403 otherwise) and returns pods as
-//! it would have stored them ([`k8s`]).
+//! (server-side apply of its Node and of its ResourceSlice, events), serves the pods it lists, the
+//! Node and the ResourceClaims the test sets (get, list), and ResourceSlices with a real watch. Real HTTP, real
+//! JSON, the paths and verbs kube-rs uses; only what the agent calls is implemented. Like a real one it
+//! authorizes each request against the agent's shipped RBAC roles (403 otherwise), answers an unknown
+//! object with the real 404 Status, and stores objects as it would ([`k8s`]): a resourceVersion from
+//! one counter for every change, a UID and a generation for what it creates, quantities in stored form.
+//!
+//! ResourceSlices are served as `resource.k8s.io/v1`: server-side apply (`PATCH` with
+//! `application/apply-patch+yaml`; one that creates the slice is authorized as `create` too, as the
+//! real patch handler does; an apply that changes nothing changes no resourceVersion), `GET`,
+//! `DELETE`, and lists and watches filtered by field selector. A watch is a streaming response of
+//! newline-delimited JSON events, from the list's resourceVersion on (every change is kept, so a
+//! watch never misses one), until its `timeoutSeconds`.
 
 #![allow(dead_code)]
 
@@ -12,19 +21,33 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use http_body_util::{BodyExt, Full};
-use hyper::body::{Bytes, Incoming};
+use http_body_util::combinators::UnsyncBoxBody;
+use http_body_util::{BodyExt, Full, StreamBody};
+use hyper::body::{Bytes, Frame, Incoming};
 use hyper::{Request, Response, StatusCode};
 use hyper_util::rt::TokioIo;
 use serde_json::{Value, json};
 use tokio::net::TcpListener;
+use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
+use tokio_stream::StreamExt as _;
+use tokio_stream::wrappers::UnboundedReceiverStream;
 
 /// Shared with the scorer's fake (tests/scorer_support.rs).
 #[path = "k8s.rs"]
 pub mod k8s;
 
-use self::k8s::{Access, Authorizer, pod_matches_fields, request_info, stored_pod};
+use self::k8s::{
+    Access, Authorizer, RequestInfo, claim_matches_fields, pod_matches_fields, query_param, request_info,
+    slice_matches_fields, stored_pod, stored_slice,
+};
+
+/// The API group and version of ResourceSlices and ResourceClaims served.
+pub const RESOURCE_API: &str = "resource.k8s.io/v1";
+/// A ResourceSlice may have at most this many devices (`ResourceSliceMaxDevices`).
+const MAX_DEVICES: usize = 128;
+/// A device may have at most this many attributes and capacities together.
+const MAX_ATTRIBUTES_AND_CAPACITIES: usize = 32;
 
 /// One request the agent made.
 #[derive(Debug, Clone)]
@@ -38,12 +61,47 @@ pub struct Recorded {
     pub access: Access,
 }
 
+/// An open watch of ResourceSlices.
+struct Watch {
+    id: u64,
+    /// Its query, for the field selector.
+    query: String,
+    events: mpsc::UnboundedSender<Bytes>,
+}
+
 struct State {
     requests: Vec<Recorded>,
     pods: Vec<Value>,
     /// Answer this many of the next writes with 503, as an API server that is away.
     failures: usize,
     authorizer: Authorizer,
+    /// The newest resourceVersion: every change of a stored object takes the next one.
+    revision: u64,
+    nodes: BTreeMap<String, Value>,
+    slices: BTreeMap<String, Value>,
+    /// By (namespace, name).
+    claims: BTreeMap<(String, String), Value>,
+    /// Every change of a ResourceSlice, oldest first: (resourceVersion, the watch event's line).
+    slice_events: Vec<(u64, Value)>,
+    watches: Vec<Watch>,
+    next_watch: u64,
+}
+
+impl State {
+    fn next_revision(&mut self) -> String {
+        self.revision += 1;
+        self.revision.to_string()
+    }
+
+    /// Records a change of a ResourceSlice and sends it to every watch whose selector it passes.
+    fn slice_changed(&mut self, kind: &str, object: &Value) {
+        let event = json!({"type": kind, "object": object});
+        let line = Bytes::from(format!("{event}\n"));
+        self.slice_events.push((self.revision, event));
+        self.watches.retain(|w| {
+            !slice_matches_fields(object, &w.query).unwrap_or(false) || w.events.send(line.clone()).is_ok()
+        });
+    }
 }
 
 pub struct FakeApiServer {
@@ -53,15 +111,34 @@ pub struct FakeApiServer {
 }
 
 impl FakeApiServer {
-    /// Serves on an ephemeral loopback port and writes a kubeconfig for it into `dir`.
+    /// Serves on an ephemeral loopback port and writes a kubeconfig for it into `dir`; authorizes
+    /// against ClusterRole gpumem-agent (the device-plugin path's).
     pub async fn start(dir: &Path) -> FakeApiServer {
+        FakeApiServer::start_with(dir, Authorizer::new("agent")).await
+    }
+
+    /// [`FakeApiServer::start`] for an agent on the DRA path: its ServiceAccount has both
+    /// ClusterRoles, gpumem-agent and gpumem-agent-dra.
+    pub async fn start_dra(dir: &Path) -> FakeApiServer {
+        FakeApiServer::start_with(dir, Authorizer::bound("agent", &["agent", "agent-dra"])).await
+    }
+
+    /// [`FakeApiServer::start`], authorizing with `authorizer`.
+    pub async fn start_with(dir: &Path, authorizer: Authorizer) -> FakeApiServer {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind 127.0.0.1");
         let addr = listener.local_addr().expect("local addr");
         let state = Arc::new(Mutex::new(State {
             requests: Vec::new(),
             pods: Vec::new(),
             failures: 0,
-            authorizer: Authorizer::new("agent"),
+            authorizer,
+            revision: 1,
+            nodes: BTreeMap::new(),
+            slices: BTreeMap::new(),
+            claims: BTreeMap::new(),
+            slice_events: Vec::new(),
+            watches: Vec::new(),
+            next_watch: 0,
         }));
         let shared = Arc::clone(&state);
         let task = tokio::spawn(async move {
@@ -111,6 +188,105 @@ impl FakeApiServer {
         self.lock().pods.clone()
     }
 
+    /// Stores Node `name` with these labels (replacing one stored before); its UID, which the API
+    /// server gives it.
+    pub fn set_node(&self, name: &str, labels: &[(&str, &str)]) -> String {
+        let mut state = self.lock();
+        let uid = format!("uid-node-{name}-{}", state.revision + 1);
+        let labels: BTreeMap<&str, &str> = labels.iter().copied().collect();
+        let node = json!({
+            "apiVersion": "v1", "kind": "Node",
+            "metadata": {
+                "name": name, "uid": uid, "resourceVersion": state.next_revision(),
+                "creationTimestamp": "2026-01-01T00:00:00Z", "labels": labels,
+            },
+            "spec": {},
+            "status": {"nodeInfo": {"kubeletVersion": "v1.34.0"}},
+        });
+        state.nodes.insert(name.to_string(), node);
+        uid
+    }
+
+    /// Node `name` as stored (with what server-side apply merged into it).
+    pub fn node(&self, name: &str) -> Option<Value> {
+        self.lock().nodes.get(name).cloned()
+    }
+
+    /// Stores a ResourceClaim (`resource.k8s.io/v1`, as a test writes it: metadata with namespace,
+    /// name and uid, spec, status), replacing one of the same namespace and name.
+    pub fn set_claim(&self, claim: Value) {
+        let mut state = self.lock();
+        let key = |field: &str| {
+            claim["metadata"][field]
+                .as_str()
+                .unwrap_or_else(|| panic!("a ResourceClaim needs metadata.{field}: {claim}"))
+                .to_string()
+        };
+        let key = (key("namespace"), key("name"));
+        let mut claim = claim.clone();
+        claim["metadata"]["resourceVersion"] = json!(state.next_revision());
+        state.claims.insert(key, claim);
+    }
+
+    /// Removes a ResourceClaim; whether there was one.
+    pub fn remove_claim(&self, namespace: &str, name: &str) -> bool {
+        self.lock()
+            .claims
+            .remove(&(namespace.to_string(), name.to_string()))
+            .is_some()
+    }
+
+    /// ResourceSlice `name` as stored.
+    pub fn slice(&self, name: &str) -> Option<Value> {
+        self.lock().slices.get(name).cloned()
+    }
+
+    /// Stores a ResourceSlice as another client's create would (watches see it added).
+    pub fn put_slice(&self, slice: Value) {
+        let mut state = self.lock();
+        let name = slice["metadata"]["name"]
+            .as_str()
+            .expect("a ResourceSlice needs metadata.name")
+            .to_string();
+        let mut slice = stored_slice(&slice);
+        slice["metadata"]["uid"] = json!(format!("uid-slice-{}", state.revision + 1));
+        slice["metadata"]["generation"] = json!(1);
+        slice["metadata"]["resourceVersion"] = json!(state.next_revision());
+        let kind = if state.slices.contains_key(&name) {
+            "MODIFIED"
+        } else {
+            "ADDED"
+        };
+        state.slices.insert(name, slice.clone());
+        state.slice_changed(kind, &slice);
+    }
+
+    /// Deletes ResourceSlice `name` as another client would (the kubelet does at its start): watches
+    /// see it deleted. What was deleted.
+    pub fn delete_slice(&self, name: &str) -> Option<Value> {
+        let mut state = self.lock();
+        let mut slice = state.slices.remove(name)?;
+        slice["metadata"]["resourceVersion"] = json!(state.next_revision());
+        state.slice_changed("DELETED", &slice);
+        Some(slice)
+    }
+
+    /// How many watches of ResourceSlices are open.
+    pub fn slice_watches(&self) -> usize {
+        let mut state = self.lock();
+        state.watches.retain(|w| !w.events.is_closed());
+        state.watches.len()
+    }
+
+    /// The server-side apply patches of ResourceSlice `name`, oldest first.
+    pub fn slice_applies(&self, name: &str) -> Vec<Recorded> {
+        let path = format!("/apis/{RESOURCE_API}/resourceslices/{name}");
+        self.requests()
+            .into_iter()
+            .filter(|r| r.method == "PATCH" && r.path == path)
+            .collect()
+    }
+
     /// Panics if the agent made a request its shipped role does not allow.
     pub fn assert_all_granted(&self) {
         self.lock().authorizer.assert_all_granted();
@@ -119,6 +295,11 @@ impl FakeApiServer {
     /// Panics unless the agent used every grant of its shipped role, and nothing else.
     pub fn assert_role_is_exactly_what_was_used(&self) {
         self.lock().authorizer.assert_role_is_exactly_what_was_used();
+    }
+
+    /// The grants of the shipped roles no request used so far (`resource.k8s.io/resourceslices:get`).
+    pub fn unused_grants(&self) -> Vec<String> {
+        self.lock().authorizer.unused()
     }
 
     pub fn fail_next_writes(&self, n: usize) {
@@ -176,11 +357,16 @@ impl FakeApiServer {
 impl Drop for FakeApiServer {
     fn drop(&mut self) {
         self.task.abort();
+        // Open watches end: their connections finish.
+        self.lock().watches.clear();
     }
 }
 
-fn respond(status: StatusCode, body: Value) -> Result<Response<Full<Bytes>>, Infallible> {
-    let mut response = Response::new(Full::new(Bytes::from(body.to_string())));
+type Body = UnsyncBoxBody<Bytes, Infallible>;
+type Answer = Result<Response<Body>, Infallible>;
+
+fn respond(status: StatusCode, body: Value) -> Answer {
+    let mut response = Response::new(Full::new(Bytes::from(body.to_string())).boxed_unsync());
     *response.status_mut() = status;
     response
         .headers_mut()
@@ -188,7 +374,7 @@ fn respond(status: StatusCode, body: Value) -> Result<Response<Full<Bytes>>, Inf
     Ok(response)
 }
 
-fn status(code: StatusCode, reason: &str, message: &str) -> Result<Response<Full<Bytes>>, Infallible> {
+fn status(code: StatusCode, reason: &str, message: &str) -> Answer {
     let body = json!({
         "kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
         "message": message, "reason": reason, "code": code.as_u16(),
@@ -196,10 +382,39 @@ fn status(code: StatusCode, reason: &str, message: &str) -> Result<Response<Full
     respond(code, body)
 }
 
-async fn handle(
-    state: Arc<Mutex<State>>,
-    req: Request<Incoming>,
-) -> Result<Response<Full<Bytes>>, Infallible> {
+/// The API server's 404 for an object that does not exist (`nodes "node-a" not found`).
+fn not_found(request: &RequestInfo) -> Answer {
+    let Access { group, resource, .. } = &request.access;
+    let name = request.name.clone().unwrap_or_default();
+    let qualified = if group.is_empty() {
+        resource.clone()
+    } else {
+        format!("{resource}.{group}")
+    };
+    let mut details = json!({"name": name, "kind": resource});
+    if !group.is_empty() {
+        details["group"] = json!(group);
+    }
+    let body = json!({
+        "kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+        "message": format!("{qualified} {name:?} not found"), "reason": "NotFound",
+        "details": details, "code": 404,
+    });
+    respond(StatusCode::NOT_FOUND, body)
+}
+
+/// The API server's 422 for an object that fails validation.
+fn invalid(kind: &str, name: &str, causes: &[String]) -> Answer {
+    let body = json!({
+        "kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+        "message": format!("{kind}.resource.k8s.io {name:?} is invalid: {}", causes.join(", ")),
+        "reason": "Invalid", "details": {"name": name, "group": "resource.k8s.io", "kind": kind},
+        "code": 422,
+    });
+    respond(StatusCode::UNPROCESSABLE_ENTITY, body)
+}
+
+async fn handle(state: Arc<Mutex<State>>, req: Request<Incoming>) -> Answer {
     let method = req.method().to_string();
     let path = req.uri().path().to_string();
     let query = req.uri().query().unwrap_or("").to_string();
@@ -216,8 +431,9 @@ async fn handle(
         .map(|b| b.to_bytes())
         .unwrap_or_default();
     let body: Value = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
+    let info = request_info(&method, &path, &query);
     let recorded = Recorded {
-        access: request_info(&method, &path, &query).access,
+        access: info.access.clone(),
         method: method.clone(),
         path: path.clone(),
         query: query.clone(),
@@ -225,6 +441,7 @@ async fn handle(
         body,
     };
 
+    let shared = Arc::clone(&state);
     let mut state = state.lock().unwrap_or_else(|e| e.into_inner());
     state.requests.push(recorded.clone());
     let write = method != "GET";
@@ -239,14 +456,45 @@ async fn handle(
     if let Err(refusal) = state.authorizer.authorize(&method, &path, &query) {
         return respond(StatusCode::FORBIDDEN, refusal);
     }
-    match (method.as_str(), path.as_str()) {
-        ("PATCH", p) if p.starts_with("/api/v1/nodes/") => {
-            let mut node = recorded.body.clone();
-            node["metadata"]["resourceVersion"] = json!(state.requests.len().to_string());
-            node["metadata"]["uid"] = json!("node-uid");
-            respond(StatusCode::OK, node)
+    let resource_api = path.starts_with(&format!("/apis/{RESOURCE_API}/"));
+    let name = info.name.clone().unwrap_or_default();
+    let Access {
+        group,
+        resource,
+        verb,
+    } = &info.access;
+    match (group.as_str(), resource.as_str(), verb.as_str()) {
+        ("", "nodes", "patch") => {
+            let revision = state.next_revision();
+            match state.nodes.get_mut(&name) {
+                // Server-side apply of labels and annotations: merged into the stored Node.
+                Some(node) => {
+                    for key in ["labels", "annotations"] {
+                        let applied = recorded.body["metadata"][key].as_object().cloned();
+                        let stored = &mut node["metadata"][key];
+                        if !stored.is_object() {
+                            *stored = json!({});
+                        }
+                        if let (Some(applied), Some(stored)) = (applied, stored.as_object_mut()) {
+                            stored.extend(applied);
+                        }
+                    }
+                    node["metadata"]["resourceVersion"] = json!(revision);
+                    respond(StatusCode::OK, node.clone())
+                }
+                None => {
+                    let mut node = recorded.body.clone();
+                    node["metadata"]["resourceVersion"] = json!(revision);
+                    node["metadata"]["uid"] = json!("node-uid");
+                    respond(StatusCode::OK, node)
+                }
+            }
         }
-        ("GET", "/api/v1/pods") => {
+        ("", "nodes", "get") => match state.nodes.get(&name) {
+            Some(node) => respond(StatusCode::OK, node.clone()),
+            None => not_found(&info),
+        },
+        ("", "pods", "list") if path == "/api/v1/pods" => {
             let mut items = Vec::new();
             for pod in &state.pods {
                 match pod_matches_fields(pod, &query) {
@@ -260,20 +508,368 @@ async fn handle(
                 json!({"apiVersion": "v1", "kind": "PodList", "metadata": {"resourceVersion": "1"}, "items": items}),
             )
         }
-        ("POST", p) if p.ends_with("/events") => {
+        ("events.k8s.io", "events", "create") => {
             let mut event = recorded.body.clone();
             if event["metadata"]["name"].is_null() {
                 event["metadata"]["name"] = json!(format!("event-{}", state.requests.len()));
             }
             respond(StatusCode::CREATED, event)
         }
-        ("PATCH", p) if p.contains("/events/") => respond(StatusCode::OK, recorded.body.clone()),
+        ("events.k8s.io", "events", "patch") => respond(StatusCode::OK, recorded.body.clone()),
+        ("resource.k8s.io", "resourceslices", "patch") if resource_api => {
+            apply_slice(&mut state, &info, &recorded)
+        }
+        ("resource.k8s.io", "resourceslices", "get") if resource_api => match state.slices.get(&name) {
+            Some(slice) => respond(StatusCode::OK, slice.clone()),
+            None => not_found(&info),
+        },
+        ("resource.k8s.io", "resourceslices", "delete") if resource_api => {
+            let revision = state.next_revision();
+            match state.slices.remove(&name) {
+                Some(mut slice) => {
+                    slice["metadata"]["resourceVersion"] = json!(revision);
+                    state.slice_changed("DELETED", &slice);
+                    respond(StatusCode::OK, slice)
+                }
+                None => not_found(&info),
+            }
+        }
+        ("resource.k8s.io", "resourceslices", "list") if resource_api => {
+            let mut items = Vec::new();
+            for slice in state.slices.values() {
+                match slice_matches_fields(slice, &query) {
+                    Ok(true) => {
+                        // List items carry no kind or apiVersion; the list does.
+                        let mut item = slice.clone();
+                        if let Some(item) = item.as_object_mut() {
+                            item.remove("apiVersion");
+                            item.remove("kind");
+                        }
+                        items.push(item);
+                    }
+                    Ok(false) => {}
+                    Err(message) => return status(StatusCode::BAD_REQUEST, "BadRequest", &message),
+                }
+            }
+            respond(
+                StatusCode::OK,
+                json!({
+                    "apiVersion": RESOURCE_API, "kind": "ResourceSliceList",
+                    "metadata": {"resourceVersion": state.revision.to_string()}, "items": items,
+                }),
+            )
+        }
+        ("resource.k8s.io", "resourceslices", "watch") if resource_api => {
+            watch_slices(&mut state, shared, &query)
+        }
+        ("resource.k8s.io", "resourceclaims", "list") if resource_api => {
+            let mut items = Vec::new();
+            for ((namespace, _), claim) in &state.claims {
+                if info.namespace.as_ref().is_some_and(|ns| ns != namespace) {
+                    continue;
+                }
+                match claim_matches_fields(claim, &query) {
+                    Ok(true) => {
+                        let mut item = claim.clone();
+                        if let Some(item) = item.as_object_mut() {
+                            item.remove("apiVersion");
+                            item.remove("kind");
+                        }
+                        items.push(item);
+                    }
+                    Ok(false) => {}
+                    Err(message) => return status(StatusCode::BAD_REQUEST, "BadRequest", &message),
+                }
+            }
+            respond(
+                StatusCode::OK,
+                json!({
+                    "apiVersion": RESOURCE_API, "kind": "ResourceClaimList",
+                    "metadata": {"resourceVersion": state.revision.to_string()}, "items": items,
+                }),
+            )
+        }
+        ("resource.k8s.io", "resourceclaims", "get") if resource_api => {
+            let key = (info.namespace.clone().unwrap_or_default(), name);
+            match state.claims.get(&key) {
+                Some(claim) => respond(StatusCode::OK, claim.clone()),
+                None => not_found(&info),
+            }
+        }
         _ => status(
             StatusCode::NOT_FOUND,
             "NotFound",
             &format!("{method} {path} is not served by this fake"),
         ),
     }
+}
+
+/// Server-side apply of a ResourceSlice, as the API server stores it.
+fn apply_slice(state: &mut State, info: &RequestInfo, recorded: &Recorded) -> Answer {
+    let name = info.name.clone().unwrap_or_default();
+    if recorded.content_type != "application/apply-patch+yaml" {
+        return status(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "UnsupportedMediaType",
+            &format!(
+                "this fake serves ResourceSlices by server-side apply only, not {:?}",
+                recorded.content_type
+            ),
+        );
+    }
+    if query_param(&recorded.query, "fieldManager").is_none_or(|m| m.is_empty()) {
+        return status(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "Invalid",
+            "PatchOptions.meta.k8s.io \"\" is invalid: fieldManager: Required value: is required for apply patch",
+        );
+    }
+    let body = &recorded.body;
+    if body["apiVersion"] != RESOURCE_API || body["kind"] != "ResourceSlice" {
+        return status(
+            StatusCode::BAD_REQUEST,
+            "BadRequest",
+            &format!(
+                "apply of {}/{} to a ResourceSlice of {RESOURCE_API}",
+                body["apiVersion"], body["kind"]
+            ),
+        );
+    }
+    if body["metadata"]["name"] != name.as_str() {
+        return status(
+            StatusCode::BAD_REQUEST,
+            "BadRequest",
+            &format!(
+                "the name of the object ({}) does not match the name on the URL ({name})",
+                body["metadata"]["name"]
+            ),
+        );
+    }
+    let causes = slice_problems(body);
+    if !causes.is_empty() {
+        return invalid("ResourceSlice", &name, &causes);
+    }
+    let old = state.slices.get(&name).cloned();
+    if old.is_none() {
+        // An apply that creates its object is authorized as a create as well.
+        let create = RequestInfo {
+            access: Access::new("resource.k8s.io", "resourceslices", "create"),
+            ..info.clone()
+        };
+        if let Err(refusal) = state.authorizer.authorize_request(create) {
+            return respond(StatusCode::FORBIDDEN, refusal);
+        }
+    }
+    let mut slice = stored_slice(body);
+    let meta = |s: &Value, key: &str| s["metadata"][key].clone();
+    let (uid, created, generation) = match &old {
+        Some(old) => {
+            let changed = old["spec"] != slice["spec"];
+            let generation = old["metadata"]["generation"].as_i64().unwrap_or(1) + i64::from(changed);
+            (
+                meta(old, "uid"),
+                meta(old, "creationTimestamp"),
+                json!(generation),
+            )
+        }
+        None => (
+            json!(format!("uid-slice-{}", state.revision + 1)),
+            json!("2026-01-01T00:00:00Z"),
+            json!(1),
+        ),
+    };
+    slice["metadata"]["uid"] = uid;
+    slice["metadata"]["creationTimestamp"] = created;
+    slice["metadata"]["generation"] = generation;
+    if let Some(old) = &old {
+        let mut same = old.clone();
+        same["metadata"]["resourceVersion"] = Value::Null;
+        slice["metadata"]["resourceVersion"] = Value::Null;
+        if same == slice {
+            // Nothing changed: nothing written, no new resourceVersion, no event.
+            return respond(StatusCode::OK, old.clone());
+        }
+    }
+    slice["metadata"]["resourceVersion"] = json!(state.next_revision());
+    state.slices.insert(name, slice.clone());
+    let (code, kind) = match old {
+        Some(_) => (StatusCode::OK, "MODIFIED"),
+        None => (StatusCode::CREATED, "ADDED"),
+    };
+    state.slice_changed(kind, &slice);
+    respond(code, slice)
+}
+
+/// What the API server's validation of a ResourceSlice (resource.k8s.io/v1) would refuse, of what a
+/// driver could get wrong.
+fn slice_problems(slice: &Value) -> Vec<String> {
+    let mut causes = Vec::new();
+    let spec = &slice["spec"];
+    for (field, pointer) in [("spec.driver", "/driver"), ("spec.pool.name", "/pool/name")] {
+        if spec
+            .pointer(pointer)
+            .and_then(Value::as_str)
+            .is_none_or(str::is_empty)
+        {
+            causes.push(format!("{field}: Required value"));
+        }
+    }
+    if spec["pool"]["resourceSliceCount"].as_i64().is_none_or(|n| n < 1) {
+        causes.push("spec.pool.resourceSliceCount: Invalid value: must be greater than zero".into());
+    }
+    if spec["pool"]["generation"].as_i64().is_some_and(|n| n < 0) {
+        causes.push("spec.pool.generation: Invalid value: must be greater than or equal to 0".into());
+    }
+    let node_selection = ["nodeName", "nodeSelector", "allNodes", "perDeviceNodeSelection"]
+        .iter()
+        .filter(|f| !spec[**f].is_null() && spec[**f] != json!(false))
+        .count();
+    if node_selection != 1 {
+        causes.push(
+            "spec: Invalid value: exactly one of `nodeName`, `nodeSelector`, `allNodes`, \
+             `perDeviceNodeSelection` is required"
+                .into(),
+        );
+    }
+    let devices = spec["devices"].as_array().cloned().unwrap_or_default();
+    if devices.len() > MAX_DEVICES {
+        causes.push(format!(
+            "spec.devices: Too many: {}: must have at most {MAX_DEVICES} items",
+            devices.len()
+        ));
+    }
+    let mut names = std::collections::BTreeSet::new();
+    for (i, device) in devices.iter().enumerate() {
+        let name = device["name"].as_str().unwrap_or("");
+        if gpumem::names::check_label(name).is_err() {
+            causes.push(format!("spec.devices[{i}].name: Invalid value: {name:?}"));
+        }
+        if !names.insert(name.to_string()) {
+            causes.push(format!("spec.devices[{i}].name: Duplicate value: {name:?}"));
+        }
+        let count = |key: &str| device[key].as_object().map_or(0, serde_json::Map::len);
+        if count("attributes") + count("capacity") > MAX_ATTRIBUTES_AND_CAPACITIES {
+            causes.push(format!(
+                "spec.devices[{i}]: Too many: attributes and capacities: must have at most \
+                 {MAX_ATTRIBUTES_AND_CAPACITIES}"
+            ));
+        }
+    }
+    causes
+}
+
+/// A watch of ResourceSlices: the changes after the query's resourceVersion (or, from none or "0",
+/// every matching slice as added), then each change as it happens, until `timeoutSeconds`.
+fn watch_slices(state: &mut State, shared: Arc<Mutex<State>>, query: &str) -> Answer {
+    if let Err(message) = slice_matches_fields(&json!({}), query) {
+        return status(StatusCode::BAD_REQUEST, "BadRequest", &message);
+    }
+    let (events, receiver) = mpsc::unbounded_channel::<Bytes>();
+    let line = |event: &Value| Bytes::from(format!("{event}\n"));
+    match query_param(query, "resourceVersion").as_deref() {
+        None | Some("" | "0") => {
+            for slice in state.slices.values() {
+                if slice_matches_fields(slice, query).unwrap_or(false) {
+                    let _ = events.send(line(&json!({"type": "ADDED", "object": slice})));
+                }
+            }
+        }
+        Some(text) => {
+            let Ok(from) = text.parse::<u64>() else {
+                return status(
+                    StatusCode::BAD_REQUEST,
+                    "BadRequest",
+                    &format!("invalid resource version: {text:?}"),
+                );
+            };
+            for (revision, event) in &state.slice_events {
+                if *revision > from && slice_matches_fields(&event["object"], query).unwrap_or(false) {
+                    let _ = events.send(line(event));
+                }
+            }
+        }
+    }
+    let id = state.next_watch;
+    state.next_watch += 1;
+    state.watches.push(Watch {
+        id,
+        query: query.to_string(),
+        events,
+    });
+    let timeout = query_param(query, "timeoutSeconds")
+        .and_then(|t| t.parse::<u64>().ok())
+        .unwrap_or(1800);
+    tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_secs(timeout)).await;
+        let mut state = shared.lock().unwrap_or_else(|e| e.into_inner());
+        state.watches.retain(|w| w.id != id);
+    });
+    let stream = UnboundedReceiverStream::new(receiver).map(|line| Ok::<_, Infallible>(Frame::data(line)));
+    let mut response = Response::new(BodyExt::boxed_unsync(StreamBody::new(stream)));
+    response
+        .headers_mut()
+        .insert("content-type", "application/json".parse().expect("valid header"));
+    Ok(response)
+}
+
+/// A ResourceClaim (`resource.k8s.io/v1`) allocated by kube-scheduler and reserved for pod
+/// `<namespace>/<pod>`: one result per (pool, device, consumed memory), each of driver `gpumem.io`
+/// and request `gpu` (None: the device's whole memory, the policy's default).
+pub fn allocated_claim(
+    namespace: &str,
+    name: &str,
+    uid: &str,
+    pod: &str,
+    results: &[(&str, &str, Option<&str>)],
+) -> Value {
+    let results: Vec<Value> = results
+        .iter()
+        .map(|(pool, device, memory)| {
+            // Every allocation of a device that allows several gets a share ID.
+            let mut result = json!({
+                "request": "gpu", "driver": "gpumem.io", "pool": pool, "device": device,
+                "shareID": share_id(uid, device),
+            });
+            if let Some(memory) = memory {
+                result["consumedCapacity"] = json!({"memory": memory});
+            }
+            result
+        })
+        .collect();
+    let mut claim = unallocated_claim(namespace, name, uid);
+    claim["status"] = json!({
+        "allocation": {"devices": {"results": results}},
+        "reservedFor": [{"resource": "pods", "name": pod, "uid": format!("uid-{pod}")}],
+    });
+    claim
+}
+
+/// The share ID kube-scheduler would give the allocation of `device` to claim `uid` (a UUID; here
+/// derived from both, so a test can name it).
+pub fn share_id(uid: &str, device: &str) -> String {
+    // FNV-1a, 64 bits.
+    let hash = format!("{uid}/{device}")
+        .bytes()
+        .fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
+            (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+        });
+    format!(
+        "{:08x}-{:04x}-4{:03x}-8{:03x}-{:012x}",
+        hash >> 32,
+        (hash >> 16) & 0xffff,
+        (hash >> 4) & 0xfff,
+        hash & 0xfff,
+        hash & 0xffff_ffff_ffff
+    )
+}
+
+/// A ResourceClaim asking for one GPU of class `gpumem.io`, not allocated yet.
+pub fn unallocated_claim(namespace: &str, name: &str, uid: &str) -> Value {
+    json!({
+        "apiVersion": RESOURCE_API, "kind": "ResourceClaim",
+        "metadata": {"namespace": namespace, "name": name, "uid": uid},
+        "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": "gpumem.io"}}]}},
+    })
 }
 
 /// A pod bound to `node` with the scorer's choice annotated and one container asking for `units`

@@ -1,12 +1,13 @@
 //! What a real API server does that the fake ones of the agent's and the scorer's tests copy, so that
 //! what passes against them passes against a cluster:
 //! - it authorizes every request by (API group, resource, verb), as k8s.io/apiserver's RequestInfo
-//!   derives them from method, path and query, against the caller's RBAC: here the ClusterRole gpumem
-//!   ships for the component, in deploy/manifests/base/<component>-rbac.yaml and in the Helm chart
-//!   rendered with default values (both must grant a request), and refuses with the real 403;
+//!   derives them from method, path and query, against the caller's RBAC: here the ClusterRoles gpumem
+//!   ships for the component (`gpumem-agent`, and with it `gpumem-agent-dra` for the DRA path), in
+//!   deploy/manifests/base/<role>-rbac.yaml and in the Helm chart rendered with default values (both
+//!   must grant a request), and refuses with the real 403;
 //! - it stores pods with each container's requests defaulted to its limits, and every resource
-//!   quantity in the form it writes back (`5000` comes back as `5k`);
-//! - it filters lists by the field selectors pods support.
+//!   quantity in the form it writes back (`5000` comes back as `5k`), ResourceSlices' capacities too;
+//! - it filters lists by the field selectors pods and ResourceSlices support.
 
 #![allow(dead_code)]
 
@@ -160,9 +161,12 @@ fn percent_decode(text: &str) -> String {
 // ---------------------------------------------------------------------------------------------
 // RBAC
 
-/// The ClusterRole `gpumem-<component>` as shipped: (where from, rules), one per source.
+/// The ClusterRoles gpumem binds to one component's ServiceAccount, as shipped: (where from, rules),
+/// one per source, each source holding the union of the roles' rules.
 pub struct ShippedRole {
     component: String,
+    /// The ClusterRoles' names (`gpumem-agent`, `gpumem-agent-dra`).
+    roles: Vec<String>,
     sources: Vec<(String, Vec<PolicyRule>)>,
 }
 
@@ -186,23 +190,63 @@ fn rules_of<'a>(
     (what.to_string(), role.rules.unwrap_or_default())
 }
 
+/// The chart with default values, as a source of ClusterRoles.
+const CHART: &str = "the Helm chart with default values";
+
 impl ShippedRole {
+    /// ClusterRole `gpumem-<component>`, bound to the component's ServiceAccount.
     pub fn of(component: &str) -> ShippedRole {
-        let name = format!("{}-{component}", deploy_support::RELEASE);
-        let file = format!("deploy/manifests/base/{component}-rbac.yaml");
-        let manifest =
-            deploy_support::yaml_docs(&deploy_support::read(&deploy_support::repo().join(&file)), &file);
+        ShippedRole::bound(component, &[component])
+    }
+
+    /// The ClusterRoles `gpumem-<role>` for each of `roles`, all bound to the ServiceAccount of
+    /// `component` (the agent's: `agent` and `agent-dra`): a request is granted when one of them
+    /// grants it, in the manifests and in the chart alike.
+    ///
+    /// A role whose generated manifest (`deploy/manifests/base/<role>-rbac.yaml`) does not exist yet
+    /// is taken from the chart for the manifests' side too, and the source's name says so.
+    pub fn bound(component: &str, roles: &[&str]) -> ShippedRole {
+        let chart = chart_docs().iter().map(|(_, d)| d);
+        let mut manifests = (Vec::new(), Vec::new());
+        let mut charted = (Vec::new(), Vec::new());
+        for role in roles {
+            let name = format!("{}-{role}", deploy_support::RELEASE);
+            let file = format!("deploy/manifests/base/{role}-rbac.yaml");
+            let path = deploy_support::repo().join(&file);
+            let (what, rules) = if path.exists() {
+                let manifest = deploy_support::yaml_docs(&deploy_support::read(&path), &file);
+                rules_of(&manifest, &name, &file)
+            } else {
+                let (_, rules) = rules_of(chart.clone(), &name, CHART);
+                (
+                    format!("{file} (not generated yet: the chart's {name} stands in)"),
+                    rules,
+                )
+            };
+            manifests.0.push(what);
+            manifests.1.extend(rules);
+            let (what, rules) = rules_of(chart.clone(), &name, CHART);
+            if charted.0.is_empty() {
+                charted.0.push(what);
+            }
+            charted.1.extend(rules);
+        }
         ShippedRole {
             component: component.to_string(),
+            roles: roles
+                .iter()
+                .map(|r| format!("{}-{r}", deploy_support::RELEASE))
+                .collect(),
             sources: vec![
-                rules_of(&manifest, &name, &file),
-                rules_of(
-                    chart_docs().iter().map(|(_, d)| d),
-                    &name,
-                    "the Helm chart with default values",
-                ),
+                (manifests.0.join(" + "), manifests.1),
+                (charted.0.join(" + "), charted.1),
             ],
         }
+    }
+
+    /// The ClusterRoles' names.
+    pub fn roles(&self) -> &[String] {
+        &self.roles
     }
 
     /// The ServiceAccount's user name, as the API server's messages give it.
@@ -316,9 +360,23 @@ impl Authorizer {
         self.log.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// An authorizer for the ServiceAccount of `component` bound to several ClusterRoles
+    /// ([`ShippedRole::bound`]).
+    pub fn bound(component: &str, roles: &[&str]) -> Authorizer {
+        Authorizer {
+            role: ShippedRole::bound(component, roles),
+            log: Mutex::new(Vec::new()),
+        }
+    }
+
     /// Records the request; the 403 Status to answer when the shipped role does not grant it.
     pub fn authorize(&self, method: &str, path: &str, query: &str) -> Result<RequestInfo, Value> {
-        let request = request_info(method, path, query);
+        self.authorize_request(request_info(method, path, query))
+    }
+
+    /// [`Authorizer::authorize`] for attributes the API server derives itself: a server-side apply
+    /// that creates its object is also authorized as `create` (k8s.io/apiserver's patch handler).
+    pub fn authorize_request(&self, request: RequestInfo) -> Result<RequestInfo, Value> {
         let denying: Vec<String> = self
             .role
             .denying(&request)
@@ -339,6 +397,16 @@ impl Authorizer {
     /// Every (group, resource, verb) requested so far.
     pub fn used(&self) -> BTreeSet<Access> {
         self.log().iter().map(|(r, _)| r.access.clone()).collect()
+    }
+
+    /// Every (group, resource, verb) the shipped roles grant that no request used, as `core/pods:list`.
+    pub fn unused(&self) -> Vec<String> {
+        let used = self.used();
+        self.role
+            .granted()
+            .difference(&used)
+            .map(Access::to_string)
+            .collect()
     }
 
     /// Panics, naming them, if the shipped role refused any request.
@@ -367,9 +435,7 @@ impl Authorizer {
     /// privilege, for a test that makes every kind of call the component makes.
     pub fn assert_role_is_exactly_what_was_used(&self) {
         self.assert_all_granted();
-        let granted = self.role.granted();
-        let used = self.used();
-        let unused: Vec<String> = granted.difference(&used).map(Access::to_string).collect();
+        let unused = self.unused();
         assert!(
             unused.is_empty(),
             "the {}'s shipped role grants what it never used: {unused:?}",
@@ -434,6 +500,53 @@ pub fn stored_node(node: &Value) -> Value {
     node
 }
 
+/// `slice` as the API server stores and returns it: every quantity of its devices' capacities (the
+/// value, and the request policy's default, range and valid values) in stored form. Panics on a
+/// quantity the API server would refuse.
+pub fn stored_slice(slice: &Value) -> Value {
+    let mut slice = slice.clone();
+    let devices = slice.pointer_mut("/spec/devices").and_then(Value::as_array_mut);
+    for capacity in devices
+        .into_iter()
+        .flatten()
+        .filter_map(|d| d.get_mut("capacity").and_then(Value::as_object_mut))
+        .flat_map(|c| c.values_mut())
+    {
+        let mut quantities: Vec<&mut Value> = Vec::new();
+        for (key, v) in capacity.as_object_mut().into_iter().flatten() {
+            match (key.as_str(), v) {
+                ("value", v) => quantities.push(v),
+                ("requestPolicy", Value::Object(policy)) => {
+                    for (key, v) in policy.iter_mut() {
+                        match (key.as_str(), v) {
+                            ("default", v) => quantities.push(v),
+                            ("validRange", Value::Object(range)) => quantities.extend(range.values_mut()),
+                            ("validValues", Value::Array(values)) => quantities.extend(values.iter_mut()),
+                            _ => {}
+                        }
+                    }
+                }
+                _ => {}
+            }
+        }
+        for q in quantities {
+            store_quantity("capacity", q);
+        }
+    }
+    slice
+}
+
+fn store_quantity(name: &str, q: &mut Value) {
+    let text = match q {
+        Value::String(s) => s.clone(),
+        Value::Number(n) => n.to_string(),
+        _ => return,
+    };
+    let stored = Quantity::stored(&text)
+        .unwrap_or_else(|e| panic!("{name}: {text:?} is not a quantity ({e}): the API server refuses it"));
+    *q = Value::String(stored);
+}
+
 fn store_quantities(list: &mut Value) {
     for (name, q) in list.as_object_mut().into_iter().flatten() {
         // JSON numbers are quantities too (the API server reads the number's text).
@@ -452,6 +565,48 @@ fn store_quantities(list: &mut Value) {
 /// Whether `pod` passes a list's `fieldSelector` (comma-separated `field=value`, `field==value` or
 /// `field!=value`); `Err` with the API server's message for a field pods cannot be selected by.
 pub fn pod_matches_fields(pod: &Value, query: &str) -> Result<bool, String> {
+    matches_fields(
+        pod,
+        query,
+        &[
+            ("metadata.name", "/metadata/name"),
+            ("metadata.namespace", "/metadata/namespace"),
+            ("spec.nodeName", "/spec/nodeName"),
+            ("spec.schedulerName", "/spec/schedulerName"),
+            ("status.phase", "/status/phase"),
+        ],
+    )
+}
+
+/// [`pod_matches_fields`] for a ResourceSlice: the fields pkg/registry/resource/resourceslice selects
+/// by (a cluster-scoped object's name, its node, its driver).
+pub fn slice_matches_fields(slice: &Value, query: &str) -> Result<bool, String> {
+    matches_fields(
+        slice,
+        query,
+        &[
+            ("metadata.name", "/metadata/name"),
+            ("spec.nodeName", "/spec/nodeName"),
+            ("spec.driver", "/spec/driver"),
+        ],
+    )
+}
+
+/// [`pod_matches_fields`] for a ResourceClaim: by name and namespace only.
+pub fn claim_matches_fields(claim: &Value, query: &str) -> Result<bool, String> {
+    matches_fields(
+        claim,
+        query,
+        &[
+            ("metadata.name", "/metadata/name"),
+            ("metadata.namespace", "/metadata/namespace"),
+        ],
+    )
+}
+
+/// Whether `object` passes the query's `fieldSelector`, each field found at its JSON pointer in
+/// `fields` (a field the object lacks has the value "").
+fn matches_fields(object: &Value, query: &str, fields: &[(&str, &str)]) -> Result<bool, String> {
     let Some(selector) = query_param(query, "fieldSelector").filter(|s| !s.is_empty()) else {
         return Ok(true);
     };
@@ -463,15 +618,10 @@ pub fn pod_matches_fields(pod: &Value, query: &str) -> Result<bool, String> {
         } else {
             return Err(format!("invalid selector: {term:?}"));
         };
-        let pointer = match field {
-            "metadata.name" => "/metadata/name",
-            "metadata.namespace" => "/metadata/namespace",
-            "spec.nodeName" => "/spec/nodeName",
-            "spec.schedulerName" => "/spec/schedulerName",
-            "status.phase" => "/status/phase",
-            other => return Err(format!("field label not supported: {other}")),
+        let Some((_, pointer)) = fields.iter().find(|(name, _)| *name == field) else {
+            return Err(format!("field label not supported: {field}"));
         };
-        let have = pod.pointer(pointer).and_then(Value::as_str).unwrap_or("");
+        let have = object.pointer(pointer).and_then(Value::as_str).unwrap_or("");
         if (have == want) != equal {
             return Ok(false);
         }

@@ -191,4 +191,5 @@ pub fn command(program: &str, open_files: Option<u64>) -> Command {
 pub mod agent;
 pub mod apiserver;
 mod cdylib;
+pub mod dra_kubelet;
 pub mod kubelet;
