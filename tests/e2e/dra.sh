@@ -4,7 +4,8 @@
 # own allocator on the agent's ResourceSlice and prepared by the agent. The node serves the `mixed`
 # profile: gpu-0 and gpu-1 are V100-SXM2-32GB (32Gi), gpu-2 and gpu-3 are T4 (15Gi).
 
-DRA_SCENARIOS="dra_switch dra_claims dra_fragmentation dra_whole dra_xid dra_restarts dra_node_restriction"
+DRA_SCENARIOS="dra_switch dra_claims dra_fragmentation dra_whole dra_nvlink_pair dra_xid dra_restarts \
+dra_node_restriction dra_uninstall"
 DRIVER=gpumem.io
 # The node's ResourceSlice.
 slice_name() { echo "$REAL_NODE-$DRIVER"; }
@@ -218,6 +219,40 @@ scenario_dra_whole() {
   wait_dra_idle
 }
 
+scenario_dra_nvlink_pair() {
+  scenario "DRA: two whole GPUs on one NVLink island (matchAttribute gpumem.io/nvlinkDomain)"
+  kn apply -f - > /dev/null <<EOF
+apiVersion: resource.k8s.io/v1
+kind: ResourceClaimTemplate
+metadata:
+  name: gpu-nvlink-pair
+spec:
+  spec:
+    devices:
+      requests:
+        - name: gpus
+          exactly:
+            deviceClassName: gpu.gpumem.io
+            count: 2
+      constraints:
+        - requests: [gpus]
+          matchAttribute: gpumem.io/nvlinkDomain
+EOF
+  new_claim_pod d-pair gpu-nvlink-pair
+  eventually "a claim for an NVLinked pair runs" 60 is_running d-pair
+  expect_eq "the two NVLinked V100s" "gpu-0 gpu-1" \
+    "$(kn get resourceclaim "$(claim_name d-pair)" -o 'jsonpath={.status.allocation.devices.results[*].device}' | tr ' ' '\n' | sort | tr '\n' ' ' | sed 's/ $//')"
+  expect_eq "the container sees both" "$(printf '%s\n' "$(gpu_uuid "$REAL_NODE" 0)" "$(gpu_uuid "$REAL_NODE" 1)" | sort | tr '\n' ' ')" \
+    "$(pod_env d-pair NVIDIA_VISIBLE_DEVICES | tr ',' '\n' | sort | tr '\n' ' ')"
+  expect_eq "whole GPUs have no memory limit" "" "$(pod_env d-pair GPUMEM_LIMIT_MIB)"
+  expect_eq "usage modes" "whole whole" \
+    "$(gpu_query "$REAL_NODE" "[u['mode'] for u in sorted(usage, key=lambda u: u['index'])][:2]")"
+  new_claim_pod d-pair2 gpu-nvlink-pair
+  eventually "no second NVLink island: the next pair waits" 60 has_pending_reason d-pair2
+  delete_pods d-pair d-pair2
+  wait_dra_idle
+}
+
 scenario_dra_xid() {
   scenario "DRA: a GPU fails (XID 48), leaves the slice, and comes back after the quiet period"
   local generation
@@ -262,6 +297,7 @@ scenario_dra_restarts() {
   eventually "after the kubelet restart a new claim runs" 60 is_running d-r2
   check_claim_pod d-r2 20000
   before=$(gpu_allocated "$REAL_NODE")
+  registrations=$(dra_registrations)
   stop_agent
   k annotate node "$REAL_NODE" gpumem.io/gpu-usage- > /dev/null
   start_agent
@@ -284,7 +320,20 @@ s = json.load(sys.stdin)
 print(json.dumps({"apiVersion": s["apiVersion"], "kind": s["kind"], "metadata": {"name": s["metadata"]["name"]}, "spec": s["spec"]}))')")
   local out
   out=$(kubectl --kubeconfig "$RUN_OUT/agent.kubeconfig" create -f - 2>&1 <<< "$other")
-  expect_contains "a slice for another node is refused" "denied" "$out"
+  expect_contains "a slice for another node is refused by the admission policy" "gpumem-agent-slices' denied" "$out"
   out=$(kubectl --kubeconfig "$RUN_OUT/agent.kubeconfig" delete resourceslice "$(slice_name)" --dry-run=server 2>&1)
   expect_contains "deleting its own node's slice is allowed" "deleted" "$out"
+}
+
+no_slice() { [ -z "$(k get resourceslices --no-headers 2> /dev/null | grep "^$(slice_name) ")" ]; }
+
+scenario_dra_uninstall() {
+  scenario "DRA: the driver gone, its ResourceSlice goes (the kubelet removes it after 30 s)"
+  stop_agent
+  if [ -e "/var/lib/kubelet/plugins_registry/$DRIVER-reg.sock" ]; then
+    bad "the agent removed its registration socket on SIGTERM"
+  else
+    ok "the agent removed its registration socket on SIGTERM"
+  fi
+  eventually "the node's ResourceSlice is deleted" 90 no_slice
 }
