@@ -47,7 +47,12 @@ pub struct Report {
     pub labels: BTreeMap<String, String>,
     pub annotations: BTreeMap<String, String>,
     pub resources: Vec<ResourceReport>,
+    /// What the agent publishes on the DRA path (`mode: dra`), for a node called [`NODE_PLACEHOLDER`].
+    pub resource_slice: k8s_openapi::api::resource::v1::ResourceSliceSpec,
 }
+
+/// The node name in [`Report::resource_slice`]: the agent uses its own.
+pub const NODE_PLACEHOLDER: &str = "NODE";
 
 #[derive(Serialize, Debug)]
 #[serde(rename_all = "camelCase")]
@@ -166,6 +171,17 @@ impl Report {
             labels: node::labels(inventory, mem_unit_mib),
             annotations: node::annotations(&topology_annotation, &usage),
             resources,
+            resource_slice: node::slice::resource_slice_spec(
+                inventory,
+                &node::slice::SliceInputs {
+                    driver: crate::plugin::proto::DRA_DRIVER_NAME,
+                    node: NODE_PLACEHOLDER,
+                    unit_mib: mem_unit_mib,
+                    healthy: &vec![true; n],
+                    pcie_roots: &crate::gpu::pcie_roots(inventory, None),
+                    generation: 1,
+                },
+            ),
         }
     }
 
@@ -249,6 +265,30 @@ impl Report {
                 _ => {}
             }
             out += "\n";
+        }
+
+        let _ = writeln!(
+            out,
+            "\nDRA path (mode dra): ResourceSlice {}, one shareable device per GPU",
+            node::slice::slice_name(NODE_PLACEHOLDER, &self.resource_slice.driver)
+        );
+        for device in self.resource_slice.devices.iter().flatten() {
+            let memory = device
+                .capacity
+                .as_ref()
+                .and_then(|c| c.get(node::slice::MEMORY_CAPACITY));
+            let step = memory
+                .and_then(|m| m.request_policy.as_ref())
+                .and_then(|p| p.valid_range.as_ref())
+                .and_then(|r| r.step.as_ref());
+            let _ = writeln!(
+                out,
+                "  {}: memory {} in steps of {}, {} attributes",
+                device.name,
+                memory.map_or("?", |m| m.value.0.as_str()),
+                step.map_or("?", |q| q.0.as_str()),
+                device.attributes.as_ref().map_or(0, BTreeMap::len)
+            );
         }
 
         out += "\nNode labels\n";

@@ -195,3 +195,46 @@ fn bad_input_is_a_clear_error() {
         .unwrap();
     assert_eq!(output.status.code(), Some(2), "clap rejects a zero unit");
 }
+
+#[test]
+fn the_dra_slice_shows_each_gpus_memory_as_capacity_in_units() {
+    let report = json_of(
+        gpumem(&[
+            "inspect",
+            "--profile",
+            "mixed",
+            "--mem-unit-mib",
+            "5",
+            "--output",
+            "json",
+        ])
+        .output()
+        .unwrap(),
+    );
+    let slice = &report["resourceSlice"];
+    assert_eq!(slice["driver"], "gpumem.io");
+    let devices = slice["devices"].as_array().unwrap();
+    let names: Vec<&str> = devices.iter().map(|d| d["name"].as_str().unwrap()).collect();
+    assert_eq!(names, ["gpu-0", "gpu-1", "gpu-2", "gpu-3"]);
+    let t4 = &devices[2];
+    assert_eq!(t4["allowMultipleAllocations"], true);
+    // 15360 MiB is 3072 units of 5 MiB: all of it.
+    assert_eq!(t4["capacity"]["memory"]["value"], "15Gi");
+    assert_eq!(
+        t4["capacity"]["memory"]["requestPolicy"]["validRange"]["step"],
+        "5Mi"
+    );
+    assert_eq!(t4["attributes"]["productName"]["string"], "Tesla T4");
+    let table = String::from_utf8(
+        gpumem(&["inspect", "--profile", "mixed"])
+            .output()
+            .unwrap()
+            .stdout,
+    )
+    .unwrap();
+    assert!(
+        table.contains("ResourceSlice NODE-gpumem.io")
+            && table.contains("gpu-3: memory 15Gi in steps of 1Mi"),
+        "{table}"
+    );
+}
