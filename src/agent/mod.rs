@@ -10,6 +10,7 @@ pub mod enforcement;
 mod health;
 pub mod metrics;
 pub mod resource;
+pub mod slice;
 pub mod state;
 
 use std::sync::Arc;
@@ -183,7 +184,7 @@ async fn serve(config: AgentConfig) -> anyhow::Result<()> {
             });
             let sysfs = nvml.is_some().then(|| std::path::Path::new("/sys"));
             let roots = crate::gpu::pcie_roots(&state.inventory, sysfs);
-            tokio::spawn(dra::publish_slice(
+            tokio::spawn(slice::publish(
                 client,
                 Arc::clone(&state),
                 config.dra.driver_name.clone(),
@@ -204,8 +205,7 @@ async fn serve(config: AgentConfig) -> anyhow::Result<()> {
         Mode::DevicePlugin => {
             if let (Some(api_server), Some(node)) = (&api_server, &config.node_name) {
                 // A slice left by the DRA path would offer the same GPUs twice.
-                if let Err(err) = dra::delete_slice(api_server.client(), &config.dra.driver_name, node).await
-                {
+                if let Err(err) = slice::delete(api_server.client(), &config.dra.driver_name, node).await {
                     tracing::debug!(error = %format!("{err:#}"), "no ResourceSlice of the DRA path removed");
                 }
             }
