@@ -126,7 +126,7 @@ EOF
 # delete_pods NAME...: deletes and waits until they are gone (the agent then sees them leave).
 delete_pods() {
   [ $# -gt 0 ] || return 0
-  kn delete pod "$@" --grace-period=1 --wait=true --timeout=60s > /dev/null 2>&1 || true
+  kn delete pod "$@" --grace-period=1 --wait=true --timeout=240s > /dev/null 2>&1 || true
 }
 
 # delete_fake_pods NAME...: pods bound to API-only nodes never start; they go by force.
