@@ -297,6 +297,35 @@ fn policy_list_takes_gpumem_variants_and_refuses_bad_ones() {
     assert_eq!(ok, vec!["FGD", "gpumem:rv=0:sc=5", "gpumem"]);
     assert!(policy_list(&["gpumem:nope=1".into()]).is_err());
     assert!(policy_list(&["Tetris".into()]).is_err());
+    let ok = policy_list(&["kubedra".into(), "KubeDRA:pct=100".into()]).expect("valid");
+    assert_eq!(ok, vec!["KubeDRA", "KubeDRA:pct=100"]);
+    assert!(policy_list(&["KubeDRA:pct=150".into()]).is_err());
+}
+
+#[test]
+fn kube_dra_breaks_its_own_ties_and_scores_a_subset_only_on_large_clusters() {
+    // kube-scheduler's tie-breaking is part of the model: the simulator's rank or random tie-breaking
+    // must not change a KubeDRA replay.
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (nodes, pods) = synthetic(dir.path());
+    let trace = Trace::load(&nodes, &pods).expect("load");
+    let mix = TypicalMix::from_requests(&trace.pods, 0.95);
+    for seed in [1u64, 2] {
+        let ranked = replay::replay(&trace, "KubeDRA", seed, 1.3, &mix, false, |_| {}).expect("replay");
+        let random = replay::replay(&trace, "KubeDRA", seed, 1.3, &mix, true, |_| {}).expect("replay");
+        assert_eq!(
+            (ranked.failed, ranked.allocated),
+            (random.failed, random.allocated)
+        );
+        for p in 0..=130 {
+            assert_eq!(ranked.curve.at(p), random.curve.at(p), "seed {seed} at {p}%");
+        }
+        // Under 100 nodes kube-scheduler filters and scores them all: pct=100 is the same policy.
+        let all = replay::replay(&trace, "KubeDRA:pct=100", seed, 1.3, &mix, false, |_| {}).expect("replay");
+        for p in 0..=130 {
+            assert_eq!(ranked.curve.at(p), all.curve.at(p), "seed {seed} at {p}%");
+        }
+    }
 }
 
 fn online() -> replay::MixView {

@@ -11,8 +11,9 @@
 //! in milli-cores, memory in MiB.
 //!
 //! Policies: the FGD paper's baselines ([`baselines`]: Random, DotProduct, GpuClustering, GpuPacking,
-//! BestFit), FGD itself ([`fgd`]), and gpumem's own policy ([`gpumem`]). The fragmentation measure they
-//! share lives in [`frag`].
+//! BestFit), stock kube-scheduler 1.36 on gpumem's DRA path ([`kube_dra`]: KubeDRA, a model for the
+//! simulator), FGD itself ([`fgd`]), and gpumem's own policy ([`gpumem`]). The fragmentation measure
+//! they share lives in [`frag`].
 //!
 //! One file, over the usual ~600 lines: the types every policy shares (cluster, node, GPU, request,
 //! candidate) and the one selection and placement they all go through.
@@ -21,6 +22,7 @@ pub mod baselines;
 pub mod fgd;
 pub mod frag;
 pub mod gpumem;
+pub mod kube_dra;
 pub mod local;
 pub mod mix;
 
@@ -534,7 +536,10 @@ impl Candidate {
 }
 
 /// A placement policy. Implementations may keep caches between calls (hence `&mut self`), but their
-/// answer depends only on the cluster state, the request and the RNG.
+/// answer depends only on the cluster state, the request and the RNG — with one exception:
+/// [`kube_dra::KubeDra`] models kube-scheduler, whose `nextStartNodeIndex` carries over from one
+/// scheduling decision to the next, so its answer also depends on the calls before, and it must be
+/// asked once per decision, in arrival order (as [`place`] and the simulator do).
 pub trait Policy: Send {
     /// Display name, as on the command line.
     fn name(&self) -> &'static str;
@@ -626,12 +631,13 @@ pub fn place(
 }
 
 /// The policies `gpumem simulate` knows, in the order it reports them.
-pub const POLICY_NAMES: [&str; 7] = [
+pub const POLICY_NAMES: [&str; 8] = [
     "Random",
     "DotProduct",
     "GpuClustering",
     "GpuPacking",
     "BestFit",
+    "KubeDRA",
     "FGD",
     "gpumem",
 ];
@@ -646,6 +652,7 @@ pub fn build_policy(name: &str, cluster: &Cluster, mix: &TypicalMix) -> Option<B
         "gpuclustering" => Box::new(baselines::GpuClustering::new(spec)),
         "gpupacking" => Box::new(baselines::GpuPacking),
         "bestfit" => Box::new(baselines::BestFit::new(spec)),
+        "kubedra" => Box::new(kube_dra::KubeDra::new(0)),
         "fgd" => Box::new(fgd::Fgd::new(FragModel::new(mix, &cluster.models, false))),
         "gpumem" => Box::new(gpumem::Gpumem::new(mix, cluster)),
         _ => return None,

@@ -151,6 +151,14 @@ impl ScorerConfig {
     }
 
     pub fn validate(&self) -> anyhow::Result<()> {
+        // KubeDRA models kube-scheduler's own choice on the DRA path (a sampled subset of nodes, first
+        // fit in the node): the simulator's baseline, not a ranking an extender could give.
+        if crate::alloc::canonical_policy_name(&self.policy) == Some("KubeDRA") {
+            anyhow::bail!(
+                "policy KubeDRA is kube-scheduler's own placement on the DRA path, for `gpumem simulate`; \
+                 the scorer ranks with one of the others"
+            );
+        }
         if crate::alloc::build_policy(
             &self.policy,
             &crate::alloc::Cluster::default(),
@@ -209,5 +217,7 @@ mod tests {
         // The knobs are the simulator's (`gpumem simulate --policy gpumem:<spec>`), not a deployment's.
         let err = with("gpumem:rv=0").validate().expect_err("a variant");
         assert!(err.to_string().contains("unknown policy"), "{err}");
+        let err = with("kubedra").validate().expect_err("the simulator's model of kube-scheduler");
+        assert!(err.to_string().contains("gpumem simulate"), "{err}");
     }
 }

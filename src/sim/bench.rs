@@ -90,15 +90,16 @@ pub fn table(trace: &Trace, rows: &[BenchRow]) -> String {
         rows.first().map_or(0, |r| r.decisions),
         trace.name
     );
+    let w = rows.iter().map(|r| r.policy.len() + 1).max().unwrap_or(0).max(14);
     let _ = writeln!(
         s,
-        "{:<14}{:>14}{:>16}{:>14}{:>16}",
+        "{:<w$}{:>14}{:>16}{:>14}{:>16}",
         "policy", "warm us/dec", "warm dec/s", "cold us/dec", "cold dec/s"
     );
     for r in rows {
         let _ = writeln!(
             s,
-            "{:<14}{:>14.1}{:>16.0}{:>14.1}{:>16.0}",
+            "{:<w$}{:>14.1}{:>16.0}{:>14.1}{:>16.0}",
             r.policy,
             r.warm_us,
             1e6 / r.warm_us.max(1e-9),

@@ -37,7 +37,7 @@ pub struct SimulateArgs {
     #[arg(long, default_value = DEFAULT_PODS)]
     pub pods: PathBuf,
     /// Policies to run (repeat or comma-separate): Random, DotProduct, GpuClustering, GpuPacking, BestFit,
-    /// FGD, gpumem. Default: all seven.
+    /// KubeDRA, FGD, gpumem; variants `gpumem:<spec>`, `KubeDRA:pct=<N>`. Default: all eight.
     #[arg(long = "policy", value_delimiter = ',')]
     pub policies: Vec<String>,
     /// Number of seeds (runs per policy).
@@ -90,7 +90,8 @@ pub struct SimulateArgs {
 }
 
 /// Resolves the policy list (canonical names, in the standard order when defaulted). A gpumem variant
-/// `gpumem:<spec>` (see [`variants::parse_tuning`]) is kept as written.
+/// `gpumem:<spec>` (see [`variants::parse_tuning`]) or a KubeDRA variant `KubeDRA:<spec>` (see
+/// [`variants::parse_kube_dra`]) is kept as written.
 pub fn policy_list(requested: &[String]) -> Result<Vec<&'static str>> {
     if requested.is_empty() {
         return Ok(POLICY_NAMES.to_vec());
@@ -98,6 +99,16 @@ pub fn policy_list(requested: &[String]) -> Result<Vec<&'static str>> {
     let mut out = Vec::new();
     for r in requested {
         let r = r.trim();
+        if let Some(spec) = r.strip_prefix(variants::KUBE_DRA_PREFIX) {
+            if variants::parse_kube_dra(spec).is_none() {
+                bail!("bad KubeDRA variant {r:?} (one key: pct=<0..100>, percentageOfNodesToScore)");
+            }
+            let name: &'static str = Box::leak(r.to_string().into_boxed_str());
+            if !out.contains(&name) {
+                out.push(name);
+            }
+            continue;
+        }
         if let Some(spec) = r.strip_prefix("gpumem:") {
             if variants::parse_tuning(spec).is_none() {
                 bail!("bad gpumem variant {r:?} (keys: see `sim::variants::parse_tuning`)");
@@ -336,6 +347,7 @@ pub fn run(args: &SimulateArgs) -> Result<()> {
         seeds.len(),
         per_run,
     );
+    let w = all.iter().map(|p| p.policy.len() + 1).max().unwrap_or(0).max(14);
     for p in &all {
         let n = p.runs.len().max(1) as f64;
         let secs: f64 = p.runs.iter().map(|r| r.seconds).sum::<f64>() / n;
@@ -343,11 +355,11 @@ pub fn run(args: &SimulateArgs) -> Result<()> {
         let build_secs: f64 = p.runs.iter().map(|r| r.build_seconds).sum::<f64>() / n;
         if builds > 1.0 {
             println!(
-                "  {:<14}{secs:>8.2} s per run ({builds:.0} policy builds, {build_secs:.2} s)",
+                "  {:<w$}{secs:>8.2} s per run ({builds:.0} policy builds, {build_secs:.2} s)",
                 p.policy
             );
         } else {
-            println!("  {:<14}{secs:>8.2} s per run", p.policy);
+            println!("  {:<w$}{secs:>8.2} s per run", p.policy);
         }
     }
 

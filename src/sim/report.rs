@@ -115,6 +115,8 @@ fn cell(s: Option<Stat>) -> String {
 pub fn table(trace: &str, all: &[PolicyRuns], published: &Published) -> String {
     let mut s = String::new();
     let seeds = all.iter().map(|p| p.runs.len()).max().unwrap_or(0);
+    // Wide enough for the longest row name (variants such as `KubeDRA:pct=100`).
+    let w = all.iter().map(|p| p.policy.len() + 1).max().unwrap_or(0).max(14);
     for (title, metric) in [
         (
             "Unallocated GPU % (100 - allocated / capacity)",
@@ -129,7 +131,7 @@ pub fn table(trace: &str, all: &[PolicyRuns], published: &Published) -> String {
             s,
             "\n{title}, trace {trace}, mean ± sd over {seeds} seeds, by arrived workload:"
         );
-        let _ = write!(s, "{:<14}", "policy");
+        let _ = write!(s, "{:<w$}", "policy");
         for p in TABLE_PCTS {
             let _ = write!(s, "{:>15}", format!("{p}%"));
         }
@@ -138,7 +140,7 @@ pub fn table(trace: &str, all: &[PolicyRuns], published: &Published) -> String {
         }
         let _ = writeln!(s);
         for p in all {
-            let _ = write!(s, "{:<14}", p.policy);
+            let _ = write!(s, "{:<w$}", p.policy);
             for pct in TABLE_PCTS {
                 let _ = write!(s, "{:>15}", cell(p.at(pct, metric)));
             }
@@ -158,7 +160,7 @@ pub fn table(trace: &str, all: &[PolicyRuns], published: &Published) -> String {
     }
     let _ = writeln!(s, "\nFailed pods (mean ± sd):");
     for p in all {
-        let _ = writeln!(s, "  {:<14}{}", p.policy, cell(p.failed()));
+        let _ = writeln!(s, "  {:<w$}{}", p.policy, cell(p.failed()));
     }
     s
 }

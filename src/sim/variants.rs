@@ -1,9 +1,27 @@
 //! Experiments with the gpumem policy's knobs: `gpumem simulate --policy gpumem:<spec>` builds the
 //! policy with another [`Tuning`]. The knobs live here, with the simulator: the scorer can only name a
-//! policy ([`alloc::build_policy`]), and runs gpumem with its one configuration.
+//! policy ([`alloc::build_policy`]), and runs gpumem with its one configuration. Likewise
+//! `KubeDRA:pct=<N>` is kube-scheduler with `percentageOfNodesToScore: N` instead of its adaptive
+//! default ([`parse_kube_dra`]).
 
 use crate::alloc::gpumem::{Gpumem, Tuning};
+use crate::alloc::kube_dra::KubeDra;
 use crate::alloc::{self, Cluster, Policy, TypicalMix};
+
+/// Prefix of a KubeDRA variant (`KubeDRA:pct=100`).
+pub const KUBE_DRA_PREFIX: &str = "KubeDRA:";
+
+/// Parses a KubeDRA variant's spec `pct=<N>` (`percentageOfNodesToScore`, 0..=100; 0 = adaptive).
+pub fn parse_kube_dra(spec: &str) -> Option<KubeDra> {
+    let mut pct = 0u32;
+    for kv in spec.split(':').filter(|s| !s.is_empty()) {
+        match kv.split_once('=')? {
+            ("pct", v) => pct = v.parse().ok().filter(|p| *p <= 100)?,
+            _ => return None,
+        }
+    }
+    Some(KubeDra::new(pct))
+}
 
 /// Parses `key=value` pairs separated by `:` (`dw=1:q=0.04:pack=0`), starting from the defaults.
 /// Keys: `dw` demand-weighted, `q` quantum, `pack`, `fill`, `mem`, `all`, `gn`, `ft` fill tie weight,
@@ -35,8 +53,12 @@ pub fn parse_tuning(spec: &str) -> Option<Tuning> {
     Some(o)
 }
 
-/// The policy called `name`: one of [`alloc::POLICY_NAMES`], or a variant `gpumem:<spec>`.
+/// The policy called `name`: one of [`alloc::POLICY_NAMES`], or a variant `gpumem:<spec>` or
+/// `KubeDRA:<spec>`.
 pub fn build_policy(name: &str, cluster: &Cluster, mix: &TypicalMix) -> Option<Box<dyn Policy>> {
+    if let Some(spec) = name.strip_prefix(KUBE_DRA_PREFIX) {
+        return Some(Box::new(parse_kube_dra(spec)?));
+    }
     match name.strip_prefix("gpumem:") {
         Some(spec) => Some(Box::new(Gpumem::with_tuning(mix, cluster, parse_tuning(spec)?))),
         None => alloc::build_policy(name, cluster, mix),
@@ -78,5 +100,20 @@ mod tests {
         );
         assert!(build_policy("gpumem", &cluster, &mix).is_some());
         assert!(uses_mix("gpumem:rv=0") && uses_mix("FGD") && !uses_mix("BestFit"));
+        assert!(build_policy("KubeDRA", &cluster, &mix).is_some());
+        assert!(build_policy("KubeDRA:pct=100", &cluster, &mix).is_some());
+        assert!(alloc::build_policy("KubeDRA:pct=100", &cluster, &mix).is_none());
+        assert!(!uses_mix("KubeDRA") && !uses_mix("KubeDRA:pct=100"));
+    }
+
+    #[test]
+    fn kube_dra_specs_set_the_percentage_of_nodes_to_score() {
+        assert!(parse_kube_dra("").is_some());
+        assert!(parse_kube_dra("pct=100").is_some());
+        assert!(parse_kube_dra("pct=0").is_some());
+        assert!(parse_kube_dra("pct=101").is_none());
+        assert!(parse_kube_dra("pct=-1").is_none());
+        assert!(parse_kube_dra("rv=1").is_none());
+        assert!(parse_kube_dra("pct").is_none());
     }
 }
