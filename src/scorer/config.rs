@@ -217,7 +217,9 @@ mod tests {
         // The knobs are the simulator's (`gpumem simulate --policy gpumem:<spec>`), not a deployment's.
         let err = with("gpumem:rv=0").validate().expect_err("a variant");
         assert!(err.to_string().contains("unknown policy"), "{err}");
-        let err = with("kubedra").validate().expect_err("the simulator's model of kube-scheduler");
+        let err = with("kubedra")
+            .validate()
+            .expect_err("the simulator's model of kube-scheduler");
         assert!(err.to_string().contains("gpumem simulate"), "{err}");
     }
 }
