@@ -137,73 +137,98 @@ fn check_claim(claim: &Claim) -> Result<(), String> {
     Ok(())
 }
 
+/// The two calls on claims.
+#[derive(Clone, Copy, Debug)]
+enum ClaimCall {
+    Prepare,
+    Unprepare,
+}
+
+impl ClaimCall {
+    fn method(self) -> &'static str {
+        match self {
+            ClaimCall::Prepare => "NodePrepareResources",
+            ClaimCall::Unprepare => "NodeUnprepareResources",
+        }
+    }
+}
+
+impl DraService {
+    /// One call: each claim checked, then prepared (its devices) or unprepared (none); one result
+    /// per claim UID, the failures logged and counted.
+    async fn each_claim(
+        &self,
+        call: ClaimCall,
+        claims: &[Claim],
+    ) -> HashMap<String, Result<Vec<Device>, String>> {
+        let started = Instant::now();
+        let mut results = HashMap::with_capacity(claims.len());
+        let mut failed = 0;
+        for claim in claims {
+            let result = match (check_claim(claim), call) {
+                (Err(err), _) => Err(err),
+                (Ok(()), ClaimCall::Prepare) => self.preparer.prepare(claim).await,
+                (Ok(()), ClaimCall::Unprepare) => self.preparer.unprepare(claim).await.map(|()| Vec::new()),
+            };
+            if let Err(error) = &result {
+                failed += 1;
+                tracing::warn!(method = call.method(), claim = %format!("{}/{}", claim.namespace, claim.name), uid = %claim.uid, %error, "claim refused");
+            }
+            results.insert(claim.uid.clone(), result);
+        }
+        self.preparer.served(
+            call.method(),
+            claims.len(),
+            failed,
+            started.elapsed().as_secs_f64(),
+        );
+        results
+    }
+}
+
 #[tonic::async_trait]
 impl DraPlugin for DraService {
     async fn node_prepare_resources(
         &self,
         request: Request<NodePrepareResourcesRequest>,
     ) -> Result<Response<NodePrepareResourcesResponse>, Status> {
-        let started = Instant::now();
-        let claims = request.into_inner().claims;
-        let mut answers = HashMap::with_capacity(claims.len());
-        let mut failed = 0;
-        for claim in &claims {
-            let answer = match check_claim(claim) {
-                Ok(()) => self.preparer.prepare(claim).await,
-                Err(err) => Err(err),
-            };
-            let answer = match answer {
-                Ok(devices) => NodePrepareResourceResponse {
-                    devices,
-                    error: String::new(),
-                },
-                Err(error) => {
-                    failed += 1;
-                    tracing::warn!(claim = %format!("{}/{}", claim.namespace, claim.name), uid = %claim.uid, %error, "cannot prepare claim");
-                    NodePrepareResourceResponse {
+        let results = self
+            .each_claim(ClaimCall::Prepare, &request.into_inner().claims)
+            .await;
+        let claims = results
+            .into_iter()
+            .map(|(uid, result)| {
+                let answer = match result {
+                    Ok(devices) => NodePrepareResourceResponse {
+                        devices,
+                        error: String::new(),
+                    },
+                    Err(error) => NodePrepareResourceResponse {
                         devices: Vec::new(),
                         error,
-                    }
-                }
-            };
-            answers.insert(claim.uid.clone(), answer);
-        }
-        self.preparer.served(
-            "NodePrepareResources",
-            claims.len(),
-            failed,
-            started.elapsed().as_secs_f64(),
-        );
-        Ok(Response::new(NodePrepareResourcesResponse { claims: answers }))
+                    },
+                };
+                (uid, answer)
+            })
+            .collect();
+        Ok(Response::new(NodePrepareResourcesResponse { claims }))
     }
 
     async fn node_unprepare_resources(
         &self,
         request: Request<NodeUnprepareResourcesRequest>,
     ) -> Result<Response<NodeUnprepareResourcesResponse>, Status> {
-        let started = Instant::now();
-        let claims = request.into_inner().claims;
-        let mut answers = HashMap::with_capacity(claims.len());
-        let mut failed = 0;
-        for claim in &claims {
-            let answer = match check_claim(claim) {
-                Ok(()) => self.preparer.unprepare(claim).await,
-                Err(err) => Err(err),
-            };
-            let error = answer.err().unwrap_or_default();
-            if !error.is_empty() {
-                failed += 1;
-                tracing::warn!(uid = %claim.uid, %error, "cannot unprepare claim");
-            }
-            answers.insert(claim.uid.clone(), NodeUnprepareResourceResponse { error });
-        }
-        self.preparer.served(
-            "NodeUnprepareResources",
-            claims.len(),
-            failed,
-            started.elapsed().as_secs_f64(),
-        );
-        Ok(Response::new(NodeUnprepareResourcesResponse { claims: answers }))
+        let results = self
+            .each_claim(ClaimCall::Unprepare, &request.into_inner().claims)
+            .await;
+        let claims = results
+            .into_iter()
+            .map(|(uid, result)| {
+                let error = result.err().unwrap_or_default();
+                (uid, NodeUnprepareResourceResponse { error })
+            })
+            .collect();
+        Ok(Response::new(NodeUnprepareResourcesResponse { claims }))
     }
 }
 

@@ -79,10 +79,7 @@ check_claim_pod() {
   else
     bad "$pod: NVIDIA_VISIBLE_DEVICES is the GPU of its allocation" "device '$device' ($uuid), visible '$visible'"
   fi
-  expect_eq "$pod: GPUMEM_LIMIT_MIB" "$mib" "$(pod_env "$pod" GPUMEM_LIMIT_MIB)"
-  expect_eq "$pod: the shim is preloaded" /usr/local/gpumem/libgpumem_cuda.so \
-    "$(kn exec "$pod" -- cat /etc/ld.so.preload 2> /dev/null | tr -d '\n')"
-  if kn exec "$pod" -- test -s /usr/local/gpumem/libgpumem_cuda.so; then ok "$pod: the shim is mounted"; else bad "$pod: the shim is mounted"; fi
+  check_limit "$pod" "$mib"
   expect_eq "$pod: its accounting directory" /var/run/gpumem "$(pod_env "$pod" GPUMEM_ACCOUNTING_DIR)"
   expect_eq "$pod: the usage annotation lists it on that GPU" True \
     "$(gpu_query "$REAL_NODE" "'$NS/$pod' in [u for u in usage if u['index'] == ${device#gpu-}][0]['pods']" 2> /dev/null)"

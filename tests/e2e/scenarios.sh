@@ -40,12 +40,18 @@ check_gpu_pod() {
   else
     bad "$pod: NVIDIA_VISIBLE_DEVICES is the scorer's choice" "assigned '$assigned', visible '$visible'"
   fi
+  check_limit "$pod" "$mib"
+  expect_eq "$pod: the usage annotation lists it on that GPU" True \
+    "$(gpu_query "$REAL_NODE" "'$NS/$pod' in [u for u in usage if u['index'] == by_uuid.get('$assigned', {}).get('index')][0]['pods']" 2> /dev/null)"
+}
+
+# check_limit POD MIB: what holds the container to MIB: its limit, the shim mounted and preloaded.
+check_limit() {
+  local pod=$1 mib=$2
   expect_eq "$pod: GPUMEM_LIMIT_MIB" "$mib" "$(pod_env "$pod" GPUMEM_LIMIT_MIB)"
   expect_eq "$pod: the shim is preloaded" /usr/local/gpumem/libgpumem_cuda.so \
     "$(kn exec "$pod" -- cat /etc/ld.so.preload 2> /dev/null | tr -d '\n')"
   if kn exec "$pod" -- test -s /usr/local/gpumem/libgpumem_cuda.so; then ok "$pod: the shim is mounted"; else bad "$pod: the shim is mounted"; fi
-  expect_eq "$pod: the usage annotation lists it on that GPU" True \
-    "$(gpu_query "$REAL_NODE" "'$NS/$pod' in [u for u in usage if u['index'] == by_uuid.get('$assigned', {}).get('index')][0]['pods']" 2> /dev/null)"
 }
 
 scenario_registration() {
