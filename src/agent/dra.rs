@@ -127,6 +127,15 @@ impl Prepared {
     }
 }
 
+/// What a recorded claim's accounting directory starts as.
+#[derive(Debug, Clone, Copy)]
+enum Accounting {
+    /// Emptied: a new claim, as Allocate gives a new container.
+    Fresh,
+    /// Kept as it is: an adopted claim's container may be counting in it.
+    Keep,
+}
+
 /// Where a claim's allocation comes from: the API server, or a test's answer.
 #[tonic::async_trait]
 pub trait ClaimReader: Send + Sync + 'static {
@@ -305,26 +314,50 @@ impl DraDriver {
             owner,
             devices,
         };
-        if let Some(enforcement) = &self.enforcement {
-            for &(a, share) in &shares {
-                if matches!(share, Share::Mib(_)) {
-                    let name =
-                        Enforcement::claim_allocation_name(self.state.inventory.gpus[a].index, &claim.uid);
-                    // Its container may be running and counting in it: made if missing, never cleared.
-                    if let Err(err) = enforcement.ensure(&name) {
-                        tracing::warn!(uid = %claim.uid, error = %format!("{err:#}"), "cannot make an adopted claim's accounting directory");
+        // Its container may be running and counting in its accounting directory: never cleared.
+        if let Err(err) = self.keep(&mut prepared, &claim.uid, record, &shares, Accounting::Keep) {
+            self.state.unprepare_claim(&claim.uid);
+            tracing::warn!(uid = %claim.uid, error = %format!("{err:#}"), "cannot adopt a claim allocated on this node");
+            return;
+        }
+        tracing::warn!(claim = %format!("{}/{}", claim.namespace, claim.name), uid = %claim.uid, "adopted a claim allocated on this node that the checkpoint did not name");
+    }
+
+    /// Makes a recorded claim's files (accounting directories, CDI spec) and puts it in the
+    /// checkpoint; on an error the checkpoint is left as it was and the spec removed.
+    fn keep(
+        &self,
+        prepared: &mut Prepared,
+        uid: &str,
+        record: CheckpointClaim,
+        shares: &[(usize, Share)],
+        accounting: Accounting,
+    ) -> anyhow::Result<()> {
+        let made = (|| -> anyhow::Result<()> {
+            if let Some(enforcement) = &self.enforcement {
+                for &(a, share) in shares {
+                    if matches!(share, Share::Mib(_)) {
+                        let name =
+                            Enforcement::claim_allocation_name(self.state.inventory.gpus[a].index, uid);
+                        match accounting {
+                            Accounting::Fresh => drop(enforcement.container(&name)?),
+                            Accounting::Keep => enforcement.ensure(&name)?,
+                        }
                     }
                 }
             }
+            self.write_cdi(uid, &record, shares)?;
+            prepared.claims.insert(uid.to_string(), record);
+            if let Err(err) = prepared.save() {
+                prepared.claims.remove(uid);
+                return Err(err);
+            }
+            Ok(())
+        })();
+        if made.is_err() {
+            let _ = self.cdi.remove(uid);
         }
-        if let Err(err) = self.write_cdi(&claim.uid, &record, &shares) {
-            tracing::warn!(uid = %claim.uid, error = %format!("{err:#}"), "cannot write an adopted claim's CDI spec");
-        }
-        prepared.claims.insert(claim.uid.clone(), record);
-        if let Err(err) = prepared.save() {
-            tracing::warn!(error = %format!("{err:#}"), "cannot save the DRA checkpoint");
-        }
-        tracing::warn!(claim = %format!("{}/{}", claim.namespace, claim.name), uid = %claim.uid, "adopted a claim allocated on this node that the checkpoint did not name");
+        made
     }
 
     /// Unprepares the prepared claims nobody can be using any more: deleted (or made again under the
@@ -561,31 +594,16 @@ impl ClaimPreparer for DraDriver {
             owner,
             devices,
         };
-        let done = (|| -> anyhow::Result<()> {
-            if let Some(enforcement) = &self.enforcement {
-                for &(a, share) in &shares {
-                    if matches!(share, Share::Mib(_)) {
-                        let name = Enforcement::claim_allocation_name(
-                            self.state.inventory.gpus[a].index,
-                            &claim.uid,
-                        );
-                        // A fresh accounting directory, as Allocate gives a new container.
-                        enforcement.container(&name)?;
-                    }
-                }
-            }
-            self.write_cdi(&claim.uid, &record, &shares)?;
-            prepared.claims.insert(claim.uid.clone(), record.clone());
-            if let Err(err) = prepared.save() {
-                prepared.claims.remove(&claim.uid);
-                return Err(err);
-            }
-            Ok(())
-        })();
-        if let Err(err) = done {
-            // Nothing half-done stays: the GPU's room, the spec.
+        // A fresh accounting directory, as Allocate gives a new container.
+        if let Err(err) = self.keep(
+            &mut prepared,
+            &claim.uid,
+            record.clone(),
+            &shares,
+            Accounting::Fresh,
+        ) {
+            // Nothing half-done stays: the GPU's room goes back.
             self.state.unprepare_claim(&claim.uid);
-            let _ = self.cdi.remove(&claim.uid);
             return Err(format!("{err:#}"));
         }
         let summary: Vec<String> = record

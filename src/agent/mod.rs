@@ -158,7 +158,8 @@ async fn serve(config: AgentConfig) -> anyhow::Result<()> {
         Mode::Dra => {
             let (Some(api_server), Some(node)) = (&api_server, &config.node_name) else {
                 anyhow::bail!(
-                    "mode dra needs the API server (the claims' allocations are there) and --node-name                      (NODE_NAME): neither may be missing"
+                    "mode dra needs the API server (the claims' allocations are there) and --node-name \
+                     (NODE_NAME): neither may be missing"
                 );
             };
             let client = api_server.client();
