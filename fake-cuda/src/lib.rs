@@ -24,6 +24,9 @@
 //! Pitch is the width rounded up to 512 bytes; `cuMemCreate` sizes must be multiples of the 2 MiB
 //! granularity; array sizes are width x height x depth x channels x element size (summed over
 //! levels for mipmapped arrays). The legacy (v1) 32-bit calls hand out addresses below 4 GiB.
+//! `cuCtxCreate_v2` makes the device's (only) context current; streams are handles that order
+//! nothing; `cuMemAddressReserve` / `cuMemMap` / `cuMemSetAccess` / `cuMemUnmap` / `cuMemAddressFree`
+//! check their ranges and handles and count nothing (the memory is counted at `cuMemCreate`).
 //!
 //! `cuGetProcAddress` (CUDA 11.3) and `cuGetProcAddress_v2` (CUDA 12.0) follow the driver's rules:
 //! the symbol name without version suffix, the caller's CUDA version (e.g. 12080) selecting the
@@ -130,6 +133,10 @@ struct Driver {
     handles: HashMap<u64, Block>,
     arrays: HashMap<u64, Block>,
     pools: HashMap<u64, usize>,
+    /// Streams created, virtual address ranges reserved (start, size) and mapped (start, handle).
+    streams: Vec<u64>,
+    ranges: HashMap<u64, u64>,
+    mapped: HashMap<u64, u64>,
     /// Freed addresses by (rounded size, low): reused first.
     free_addresses: HashMap<(u64, bool), Vec<u64>>,
     next_address: u64,
@@ -399,6 +406,27 @@ entry!(cuCtxSetCurrent / copy_cuCtxSetCurrent(context: *mut c_void) {
     })
 });
 
+entry!(cuCtxCreate_v2 / copy_cuCtxCreate_v2(context: *mut *mut c_void, _flags: c_uint, device: c_int) {
+    with_driver(|d| {
+        let device = usize::try_from(device).ok().filter(|&i| i < d.totals.len()).ok_or(INVALID_DEVICE)?;
+        unsafe { put(context, (device + 1) as *mut c_void)? };
+        CURRENT.with(|c| c.set(Some(device)));
+        Ok(())
+    })
+});
+
+entry!(cuCtxDestroy_v2 / copy_cuCtxDestroy_v2(context: *mut c_void) {
+    with_driver(|d| {
+        let device = (context as usize).checked_sub(1).filter(|&i| i < d.totals.len()).ok_or(INVALID_CONTEXT)?;
+        CURRENT.with(|c| {
+            if c.get() == Some(device) {
+                c.set(None);
+            }
+        });
+        Ok(())
+    })
+});
+
 entry!(cuCtxGetDevice / copy_cuCtxGetDevice(device: *mut c_int) {
     with_driver(|d| {
         let current = current_device(d)?;
@@ -577,6 +605,74 @@ entry!(cuMemCreate / copy_cuMemCreate(handle: *mut u64, size: usize, prop: *cons
     })
 });
 
+entry!(cuStreamCreate / copy_cuStreamCreate(stream: *mut *mut c_void, _flags: c_uint) {
+    with_driver(|d| {
+        current_device(d)?;
+        d.next_object += 16;
+        let id = 0x5f00_0000_0000 + d.next_object;
+        d.streams.push(id);
+        unsafe { put(stream, id as *mut c_void) }
+    })
+});
+
+entry!(cuStreamDestroy_v2 / copy_cuStreamDestroy_v2(stream: *mut c_void) {
+    with_driver(|d| {
+        let at = d.streams.iter().position(|&s| s == stream as u64).ok_or(INVALID_HANDLE)?;
+        d.streams.swap_remove(at);
+        Ok(())
+    })
+});
+
+entry!(cuStreamSynchronize / copy_cuStreamSynchronize(stream: *mut c_void) {
+    with_driver(|d| {
+        if stream.is_null() || d.streams.contains(&(stream as u64)) { Ok(()) } else { Err(INVALID_HANDLE) }
+    })
+});
+
+entry!(cuMemAddressReserve / copy_cuMemAddressReserve(ptr: *mut CUdeviceptr, size: usize, _alignment: usize, _addr: CUdeviceptr, _flags: u64) {
+    with_driver(|d| {
+        if size == 0 || !size.is_multiple_of(VMM_GRANULARITY) {
+            return Err(INVALID_VALUE);
+        }
+        read(ptr)?;
+        let address = d.address(size as u64, false)?;
+        d.ranges.insert(address, size as u64);
+        unsafe { put(ptr, address) }
+    })
+});
+
+entry!(cuMemAddressFree / copy_cuMemAddressFree(ptr: CUdeviceptr, size: usize) {
+    with_driver(|d| match d.ranges.get(&ptr) {
+        Some(&reserved) if reserved == size as u64 && !d.mapped.contains_key(&ptr) => {
+            d.ranges.remove(&ptr);
+            Ok(())
+        }
+        _ => Err(INVALID_VALUE),
+    })
+});
+
+entry!(cuMemMap / copy_cuMemMap(ptr: CUdeviceptr, size: usize, offset: usize, handle: u64, flags: u64) {
+    with_driver(|d| {
+        let block = *d.handles.get(&handle).ok_or(INVALID_HANDLE)?;
+        let fits = d.ranges.get(&ptr).is_some_and(|&reserved| size as u64 <= reserved);
+        if flags != 0 || offset != 0 || size as u64 > block.size || !fits || d.mapped.contains_key(&ptr) {
+            return Err(INVALID_VALUE);
+        }
+        d.mapped.insert(ptr, handle);
+        Ok(())
+    })
+});
+
+entry!(cuMemUnmap / copy_cuMemUnmap(ptr: CUdeviceptr, _size: usize) {
+    with_driver(|d| d.mapped.remove(&ptr).map(|_| ()).ok_or(INVALID_VALUE))
+});
+
+entry!(cuMemSetAccess / copy_cuMemSetAccess(ptr: CUdeviceptr, _size: usize, desc: *const c_void, count: usize) {
+    with_driver(|d| {
+        if desc.is_null() || count == 0 || !d.mapped.contains_key(&ptr) { Err(INVALID_VALUE) } else { Ok(()) }
+    })
+});
+
 entry!(cuMemRelease / copy_cuMemRelease(handle: u64) { with_driver(|d| d.drop_object(handle, |d| &mut d.handles)) });
 
 fn create_array(handle: *mut *mut c_void, size: Result<u64, CUresult>) -> CUresult {
@@ -650,6 +746,16 @@ fn versions(name: &str, per_thread: bool) -> Option<Versions> {
         }
         "cuCtxSetCurrent" => v!(4000 => cuCtxSetCurrent / copy_cuCtxSetCurrent),
         "cuCtxGetDevice" => v!(2000 => cuCtxGetDevice / copy_cuCtxGetDevice),
+        "cuCtxCreate" => v!(3020 => cuCtxCreate_v2 / copy_cuCtxCreate_v2),
+        "cuCtxDestroy" => v!(4000 => cuCtxDestroy_v2 / copy_cuCtxDestroy_v2),
+        "cuStreamCreate" => v!(2000 => cuStreamCreate / copy_cuStreamCreate),
+        "cuStreamDestroy" => v!(4000 => cuStreamDestroy_v2 / copy_cuStreamDestroy_v2),
+        "cuStreamSynchronize" if !per_thread => v!(2000 => cuStreamSynchronize / copy_cuStreamSynchronize),
+        "cuMemAddressReserve" => v!(10020 => cuMemAddressReserve / copy_cuMemAddressReserve),
+        "cuMemAddressFree" => v!(10020 => cuMemAddressFree / copy_cuMemAddressFree),
+        "cuMemMap" => v!(10020 => cuMemMap / copy_cuMemMap),
+        "cuMemUnmap" => v!(10020 => cuMemUnmap / copy_cuMemUnmap),
+        "cuMemSetAccess" => v!(10020 => cuMemSetAccess / copy_cuMemSetAccess),
         "cuMemGetInfo" => {
             v!(3020 => cuMemGetInfo_v2 / copy_cuMemGetInfo_v2, 2000 => cuMemGetInfo / copy_cuMemGetInfo)
         }

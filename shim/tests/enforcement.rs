@@ -12,8 +12,9 @@ use support::{
 const LIMIT_MIB: &str = "64";
 const LIMIT: u64 = 64 * MIB;
 
-/// Every kind the probe allocates: every allocation call, in every ABI version.
-const KINDS: [&str; 15] = [
+/// Every kind the probe allocates: every allocation call, in every ABI version, an async allocation on a
+/// created stream, and a `cuMemCreate` mapped with `cuMemAddressReserve` + `cuMemMap` + `cuMemSetAccess`.
+const KINDS: [&str; 17] = [
     "alloc",
     "alloc_v1",
     "pitch",
@@ -29,6 +30,8 @@ const KINDS: [&str; 15] = [
     "array3d",
     "array3d_v1",
     "mipmap",
+    "stream",
+    "vmm",
 ];
 
 /// The limit holds on every path: LIMIT bytes succeed, one more byte fails with
@@ -319,7 +322,7 @@ fn no_limit_is_pass_through() {
         assert_eq!(stderr(&outputs[1]), "", "{mode:?}: the shim says nothing");
         if mode != Mode::Direct {
             let wheres: Vec<_> = with.lines().filter(|l| l.starts_with("where ")).collect();
-            assert_eq!(wheres.len(), 31);
+            assert_eq!(wheres.len(), 40);
             assert!(
                 wheres.iter().all(|l| l.ends_with(" libcuda.so.1")),
                 "{mode:?}: {wheres:?}"
@@ -346,7 +349,16 @@ fn lookups_yield_the_wrappers_when_limited() {
                 "where cuDeviceGet libcuda.so.1",
                 "where cuDevicePrimaryCtxRetain libcuda.so.1",
                 "where cuCtxSetCurrent libcuda.so.1",
+                "where cuCtxCreate_v2 libcuda.so.1",
+                "where cuCtxDestroy_v2 libcuda.so.1",
+                "where cuStreamCreate libcuda.so.1",
+                "where cuStreamDestroy_v2 libcuda.so.1",
                 "where cuDeviceGetDefaultMemPool libcuda.so.1",
+                "where cuMemAddressReserve libcuda.so.1",
+                "where cuMemAddressFree libcuda.so.1",
+                "where cuMemMap libcuda.so.1",
+                "where cuMemUnmap libcuda.so.1",
+                "where cuMemSetAccess libcuda.so.1",
             ],
             "{mode:?}"
         );

@@ -29,6 +29,7 @@ typedef struct {
     void *win32HandleMetaData;
     struct { unsigned char compressionType, gpuDirectRDMACapable; unsigned short usage; unsigned char reserved[4]; } allocFlags;
 } CUmemAllocationProp;
+typedef struct { CUmemLocation location; int flags; } CUmemAccessDesc;
 
 #define CUDA_SUCCESS 0
 #define CUDA_ERROR_OUT_OF_MEMORY 2
@@ -36,6 +37,7 @@ typedef struct {
 #define CU_MEM_ALLOCATION_TYPE_PINNED 1
 #define CU_MEM_LOCATION_TYPE_DEVICE 1
 #define CU_MEM_ATTACH_GLOBAL 1
+#define CU_MEM_ACCESS_FLAGS_PROT_READWRITE 3
 #define CU_GET_PROC_ADDRESS_DEFAULT 0
 #define CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM 2
 
@@ -45,6 +47,10 @@ typedef struct {
     X(cuDeviceGet, (CUdevice *dev, int ordinal)) \
     X(cuDevicePrimaryCtxRetain, (CUcontext *ctx, CUdevice dev)) \
     X(cuCtxSetCurrent, (CUcontext ctx)) \
+    X(cuCtxCreate_v2, (CUcontext *ctx, unsigned flags, CUdevice dev)) \
+    X(cuCtxDestroy_v2, (CUcontext ctx)) \
+    X(cuStreamCreate, (CUstream *s, unsigned flags)) \
+    X(cuStreamDestroy_v2, (CUstream s)) \
     X(cuDeviceGetDefaultMemPool, (CUmemoryPool *pool, CUdevice dev)) \
     X(cuMemAlloc_v2, (CUdeviceptr *p, size_t n)) \
     X(cuMemAlloc, (CUdeviceptr_v1 *p, unsigned n)) \
@@ -61,6 +67,11 @@ typedef struct {
     X(cuMemFreeAsync_ptsz, (CUdeviceptr p, CUstream s)) \
     X(cuMemCreate, (CUmemGenericAllocationHandle *h, size_t n, const CUmemAllocationProp *prop, unsigned long long flags)) \
     X(cuMemRelease, (CUmemGenericAllocationHandle h)) \
+    X(cuMemAddressReserve, (CUdeviceptr *p, size_t n, size_t alignment, CUdeviceptr addr, unsigned long long flags)) \
+    X(cuMemAddressFree, (CUdeviceptr p, size_t n)) \
+    X(cuMemMap, (CUdeviceptr p, size_t n, size_t offset, CUmemGenericAllocationHandle h, unsigned long long flags)) \
+    X(cuMemUnmap, (CUdeviceptr p, size_t n)) \
+    X(cuMemSetAccess, (CUdeviceptr p, size_t n, const CUmemAccessDesc *desc, size_t count)) \
     X(cuArrayCreate_v2, (CUarray *a, const CUDA_ARRAY_DESCRIPTOR *d)) \
     X(cuArrayCreate, (CUarray *a, const CUDA_ARRAY_DESCRIPTOR_v1 *d)) \
     X(cuArray3DCreate_v2, (CUarray *a, const CUDA_ARRAY3D_DESCRIPTOR *d)) \
