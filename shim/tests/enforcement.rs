@@ -416,3 +416,64 @@ fn without_a_usable_directory_each_process_is_held_on_its_own() {
         );
     }
 }
+
+/// A process that hides `/proc` (a tmpfs over it, in a user and mount namespace of its own: what the
+/// e2e suite's escape does) sees every process as gone, itself included. It must not reap them: before
+/// the shim checked that `/proc` shows the calling process, it reclaimed its own share at the limit and
+/// went on to twice the limit. A process already holding memory outside keeps its share too.
+#[test]
+fn a_hidden_proc_reaps_nothing() {
+    let Ok(status) = std::process::Command::new("unshare")
+        .args(["-Urm", "true"])
+        .status()
+    else {
+        eprintln!("no unshare(1) here: nothing to check");
+        return;
+    };
+    if !status.success() {
+        eprintln!("unshare -Urm is not permitted here: nothing to check");
+        return;
+    }
+    let dir = accounting_dir();
+    let shim = Shim::limit(LIMIT_MIB, Some(dir.path()));
+    let holder = Holder::start({
+        let mut cmd = command(&probe(Mode::Direct), &shim);
+        cmd.args(["alloc", "alloc", &(16 * MIB).to_string(), "hold"]);
+        cmd
+    });
+    let inner = command(&probe(Mode::Direct), &shim);
+    let mut cmd = std::process::Command::new("unshare");
+    cmd.args([
+        "-Urm",
+        "sh",
+        "-c",
+        "mount -t tmpfs none /proc && exec \"$0\" \"$@\"",
+    ])
+    .arg(inner.get_program())
+    .args(["fill", "alloc", "128", "8", "info"]);
+    for (key, value) in inner.get_envs() {
+        match value {
+            Some(value) => cmd.env(key, value),
+            None => cmd.env_remove(key),
+        };
+    }
+    let output = run(cmd);
+    let out = stdout(&output);
+    assert_eq!(
+        out.lines().collect::<Vec<_>>(),
+        [
+            format!("fill alloc held={} rc=2", 48 * MIB).as_str(),
+            format!("info rc=0 free=0 total={LIMIT}").as_str(),
+        ],
+        "{}",
+        stderr(&output)
+    );
+    assert!(stderr(&output).contains("/proc does not show this process"));
+    let usage = read_usage(dir.path()).expect("readable").expect("created");
+    assert_eq!(
+        usage.devices[0].used,
+        16 * MIB,
+        "the holder's share, still counted"
+    );
+    holder.release();
+}

@@ -45,6 +45,14 @@ extern "C" fn destructor() {
     }
 }
 
+/// Whether `/proc` shows process `pid` (this one) as started at `start`: only then can it tell which
+/// processes of the container have exited. A `/proc` that is missing, or that a process replaced with a
+/// file system of its own (a tmpfs in a mount namespace of its own), would make every process, this
+/// one included, look dead, and reaping them would hand their memory out a second time.
+fn proc_shows(pid: u32, start: u64) -> bool {
+    start != 0 && process_start_time(pid) == Some(start)
+}
+
 /// A forked child is another process: it gets its own slot and its own first warning.
 extern "C" fn after_fork_in_child() {
     ENFORCER.store(null_mut(), Ordering::Relaxed);
@@ -57,6 +65,8 @@ pub(super) struct Enforcer {
     acct: Accounting,
     slot: Option<SlotId>,
     pid: u32,
+    /// This process's start time as `/proc` showed it when it first used CUDA (0: it did not).
+    start: u64,
     /// Device pointers of every allocation call, VMM handles, arrays and mipmapped arrays.
     pub(super) pointers: Table,
     pub(super) handles: Table,
@@ -159,11 +169,20 @@ impl Enforcer {
             }
         };
         let pid = std::process::id();
-        let reclaimed = acct.reap(is_alive);
+        let start = process_start_time(pid).unwrap_or(0);
+        let reclaimed = if proc_shows(pid, start) {
+            acct.reap(is_alive)
+        } else {
+            log!(
+                Warn,
+                "/proc does not show this process: processes of the container that exit are not reclaimed by this one"
+            );
+            0
+        };
         if reclaimed > 0 {
             log!(Info, "reclaimed {reclaimed} bytes of processes that have exited");
         }
-        let slot = acct.claim_slot(pid, process_start_time(pid).unwrap_or(0));
+        let slot = acct.claim_slot(pid, start);
         if slot.is_none() {
             log!(
                 Warn,
@@ -174,6 +193,7 @@ impl Enforcer {
             acct,
             slot,
             pid,
+            start,
             pointers: Table::new(18),
             handles: Table::new(14),
             arrays: Table::new(14),
@@ -238,7 +258,11 @@ impl Enforcer {
     #[cold]
     #[inline(never)]
     pub(super) fn reserve_after_reaping(&self, device: usize, bytes: u64) -> bool {
-        let reclaimed = self.acct.reap(is_alive);
+        let reclaimed = if proc_shows(self.pid, self.start) {
+            self.acct.reap(is_alive)
+        } else {
+            0
+        };
         if reclaimed > 0 {
             log!(Info, "reclaimed {reclaimed} bytes of processes that have exited");
             if self.acct.try_reserve(device, bytes) {
