@@ -38,6 +38,7 @@ fi
 source "$ROOT/tests/e2e/lib.sh"
 source "$ROOT/tests/e2e/scenarios.sh"
 source "$ROOT/tests/e2e/dra.sh"
+source "$ROOT/tests/e2e/placement.sh"
 
 NS=e2e
 REAL_NODE=gpu-node-1

@@ -22,6 +22,7 @@ pub mod claim;
 pub mod gpu;
 pub mod http;
 pub mod inspect;
+pub mod lease;
 pub mod liveness;
 pub mod names;
 pub mod node;

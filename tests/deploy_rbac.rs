@@ -68,6 +68,7 @@ fn check(docs: &[Json], what: &str) {
         ("gpumem-agent", "DaemonSet", "gpumem-agent"),
         ("gpumem-agent-dra", "DaemonSet", "gpumem-agent"),
         ("gpumem-scorer", "Deployment", "gpumem-scorer"),
+        ("gpumem-scorer-dra", "Deployment", "gpumem-scorer"),
         ("gpumem-claims", "Deployment", "gpumem-claims"),
     ] {
         assert_eq!(
@@ -105,6 +106,7 @@ fn check(docs: &[Json], what: &str) {
             "gpumem-agent",
             "gpumem-agent-dra",
             "gpumem-scorer",
+            "gpumem-scorer-dra",
             "gpumem-claims",
             "gpumem-gpuclaims-edit",
             "gpumem-gpuclaims-view"
@@ -123,12 +125,33 @@ fn check(docs: &[Json], what: &str) {
     let scheduler_there = docs
         .iter()
         .any(|d| d["kind"] == "Deployment" && d["metadata"]["name"] == "gpumem-scheduler");
-    let mut leases = vec!["gpumem-claims-lease"];
+    let mut leases = vec!["gpumem-claims-lease", "gpumem-scorer-lease"];
     if scheduler_there {
         leases.push("gpumem-scheduler-lease");
     }
     let names: BTreeSet<_> = roles.iter().map(|r| r.metadata.name.clone().unwrap()).collect();
     assert_eq!(names, set(&leases), "{what}: a Role for each Lease");
+    // The scorer's DRA placement Lease, by the name its configuration gives it with dra.placement.
+    let scorer_lease = roles
+        .iter()
+        .find(|r| r.metadata.name.as_deref() == Some("gpumem-scorer-lease"))
+        .unwrap();
+    assert_eq!(
+        rbac_triples(scorer_lease.rules.as_deref().unwrap()),
+        set(&[
+            "coordination.k8s.io/leases:create",
+            "coordination.k8s.io/leases[gpumem-dra-placement]:get",
+            "coordination.k8s.io/leases[gpumem-dra-placement]:update",
+        ]),
+        "{what}"
+    );
+    let placing = chart(&json!({"dra": {"placement": true}}));
+    let config = placing
+        .iter()
+        .find(|d| d["kind"] == "ConfigMap" && d["metadata"]["name"] == "gpumem-scorer")
+        .and_then(|d| d["data"]["scorer.yaml"].as_str())
+        .unwrap();
+    assert!(config.contains("leaseName: gpumem-dra-placement"), "{config}");
     if let Some(scheduler) = docs
         .iter()
         .find(|d| d["kind"] == "Deployment" && d["metadata"]["name"] == "gpumem-scheduler")

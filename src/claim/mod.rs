@@ -10,10 +10,10 @@
 //! - [`resource`]: the CRD's types (spec, status, printer columns);
 //! - [`policy`]: what a claim does next, pure;
 //! - [`controller`]: the watches and the API calls;
-//! - [`lease`]: leader election, when more than one replica runs.
+//! - leader election, when more than one replica runs, is [`crate::lease`]'s (shared with the
+//!   scorer's DRA placement).
 
 pub mod controller;
-pub mod lease;
 pub mod policy;
 pub mod resource;
 
@@ -31,6 +31,7 @@ use kube::runtime::events::{Recorder, Reporter};
 use kube::{Api, Client};
 use tokio::signal::unix::{SignalKind, signal};
 
+use crate::lease;
 use controller::{Context, Counts};
 use resource::GpuClaim;
 

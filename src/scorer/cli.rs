@@ -58,8 +58,23 @@ pub fn run(args: &ScorerArgs) -> anyhow::Result<()> {
             let pods = PodCache::start(client.clone());
             (Some(client), Some(nodes), Some(pods))
         };
-        let scorer = Arc::new(Scorer::new(config, client, nodes, pods));
+        let dra = config.dra.clone();
+        let scorer = Arc::new(Scorer::new(config, client.clone(), nodes, pods));
         scorer.follow_caches();
+        if let (Some(mut dra), Some(client)) = (dra, client) {
+            if dra.lease_namespace.is_empty() {
+                dra.lease_namespace = std::env::var("POD_NAMESPACE")
+                    .ok()
+                    .filter(|n| !n.is_empty())
+                    .unwrap_or_else(|| "gpumem-system".into());
+            }
+            let identity = std::env::var("POD_NAME")
+                .ok()
+                .filter(|n| !n.is_empty())
+                .unwrap_or_else(|| format!("gpumem-scorer-{}", std::process::id()));
+            tracing::info!(driver = %dra.driver_name, classes = ?dra.device_classes, gate = %dra.scheduling_gate, "DRA placement on: claims of gated pods are allocated by gpumem");
+            tokio::spawn(super::dra::run(scorer.clone(), client, dra, identity));
+        }
         let limits = crate::http::Limits::default();
         let bind = |addr: SocketAddr| async move {
             tokio::net::TcpListener::bind(addr)

@@ -70,6 +70,39 @@ pub struct ScorerConfig {
     pub filter_shortlist: usize,
     /// Serve the verbs over TLS to clients with a certificate (`--tls-listen`); see [`TlsFiles`].
     pub tls: Option<TlsFiles>,
+    /// Place pods on the DRA path (Kubernetes 1.34+): allocate their ResourceClaims with gpumem's
+    /// policy before kube-scheduler sees them; see [`super::dra`]. Absent: kube-scheduler's own
+    /// allocator places them.
+    pub dra: Option<DraPlacementConfig>,
+}
+
+/// `dra` in the configuration.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(default, rename_all = "camelCase", deny_unknown_fields)]
+pub struct DraPlacementConfig {
+    /// The agents' DRA driver name (their `dra.driverName`).
+    pub driver_name: String,
+    /// The DeviceClasses whose requests gpumem places (every GPU of the driver).
+    pub device_classes: Vec<String>,
+    /// The scheduling gate that holds a pod back from kube-scheduler until its claim is allocated
+    /// (the chart's MutatingAdmissionPolicy adds it).
+    pub scheduling_gate: String,
+    /// Namespace and name of the Lease that elects the one replica that places (namespace: the
+    /// scorer's own, `POD_NAMESPACE`, when empty).
+    pub lease_namespace: String,
+    pub lease_name: String,
+}
+
+impl Default for DraPlacementConfig {
+    fn default() -> DraPlacementConfig {
+        DraPlacementConfig {
+            driver_name: "gpumem.io".into(),
+            device_classes: vec!["gpu.gpumem.io".into()],
+            scheduling_gate: super::dra::PLACEMENT_GATE.into(),
+            lease_namespace: String::new(),
+            lease_name: "gpumem-dra-placement".into(),
+        }
+    }
 }
 
 impl Default for ScorerConfig {
@@ -107,6 +140,7 @@ impl Default for ScorerConfig {
             ],
             filter_shortlist: DEFAULT_FILTER_SHORTLIST,
             tls: None,
+            dra: None,
             mix_window_pods: crate::alloc::MixConfig::default().window,
         }
     }
@@ -197,6 +231,22 @@ impl ScorerConfig {
         }
         if self.scheduler_names.is_empty() {
             anyhow::bail!("schedulerNames is empty: the scorer would bind no pod");
+        }
+        if let Some(dra) = &self.dra {
+            crate::names::check_subdomain(&dra.driver_name)
+                .map_err(|e| anyhow::anyhow!("dra.driverName: {e}"))?;
+            crate::names::check_subdomain(&dra.lease_name)
+                .map_err(|e| anyhow::anyhow!("dra.leaseName: {e}"))?;
+            if !dra.lease_namespace.is_empty() {
+                crate::names::check_label(&dra.lease_namespace)
+                    .map_err(|e| anyhow::anyhow!("dra.leaseNamespace: {e}"))?;
+            }
+            if dra.device_classes.is_empty() {
+                anyhow::bail!("dra.deviceClasses is empty: the scorer would place no claim");
+            }
+            if dra.scheduling_gate.is_empty() {
+                anyhow::bail!("dra.schedulingGate is empty");
+            }
         }
         Ok(())
     }

@@ -13,7 +13,8 @@
 //! `gpumem_scorer_bind_failures_total{kind}` (see [`super::bind::BindError::kind`]),
 //! `gpumem_scorer_ledger_reservations`, and `gpumem_scorer_mix_pods_seen` /
 //! `gpumem_scorer_mix_generation` (the pods the typical mix was learned from, and how often it moved:
-//! generation 0 is the configured `typicalMix`). The three cluster gauges are computed when scraped (see
+//! generation 0 is the configured `typicalMix`), `gpumem_scorer_dra_claims_placed_total` and
+//! `gpumem_scorer_dra_leading` (placement on the DRA path, [`super::dra`]). The three cluster gauges are computed when scraped (see
 //! [`super::Scorer::refresh_gauges`]), at most once per [`GAUGE_PERIOD`].
 
 use std::sync::atomic::AtomicU64;
@@ -75,6 +76,8 @@ pub struct Metrics {
     pub cluster_allocated: Ratio,
     pub mix_pods_seen: Gauge,
     pub mix_generation: Gauge,
+    pub dra_placed: Counter,
+    pub dra_leading: Gauge,
 }
 
 impl Default for Metrics {
@@ -98,6 +101,18 @@ impl Metrics {
         let cluster_allocated = Ratio::default();
         let mix_pods_seen = Gauge::default();
         let mix_generation = Gauge::default();
+        let dra_placed = Counter::default();
+        let dra_leading = Gauge::default();
+        registry.register(
+            "gpumem_scorer_dra_claims_placed",
+            "ResourceClaims this replica allocated on the DRA path (dra in the configuration)",
+            dra_placed.clone(),
+        );
+        registry.register(
+            "gpumem_scorer_dra_leading",
+            "1 while this replica holds the DRA placement Lease and places claims",
+            dra_leading.clone(),
+        );
         registry.register(
             "gpumem_scorer_mix_pods_seen",
             "GPU pods the scorer ranked and learned its typical mix from (since it started)",
@@ -167,6 +182,8 @@ impl Metrics {
             cluster_allocated,
             mix_pods_seen,
             mix_generation,
+            dra_placed,
+            dra_leading,
         }
     }
 

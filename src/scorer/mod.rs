@@ -8,6 +8,7 @@
 //! - [`state`]: node GPU state from the agent's annotations, and pod requests;
 //! - [`decide`]: filter and ranking, pure, through the shared placement policy ([`crate::alloc`]);
 //! - `filter`, [`bind`], `preempt`: the verbs (each in a tracing span naming the pod);
+//! - [`dra`]: placement on the DRA path (allocating ResourceClaims of gated pods);
 //! - [`ledger`]: binds in flight, so that concurrent decisions never double-book a GPU;
 //! - [`victims`]: GPU-aware victim selection, pure;
 //! - [`workload`]: the typical mix learned from the pods the scorer ranks;
@@ -20,6 +21,7 @@ pub mod cache;
 pub mod cli;
 pub mod config;
 pub mod decide;
+pub mod dra;
 pub mod extender;
 mod filter;
 pub mod ledger;

@@ -507,18 +507,9 @@ pub struct ClassRules {
     pub online_min_priority: Option<i32>,
 }
 
-/// Reads the pod's GPU request. `Ok(None)`: the pod asks for no GPU.
-pub fn pod_demand(pod: &Pod, rules: &ClassRules) -> Result<Option<PodDemand>, String> {
-    let meta = &pod.metadata;
-    let key = format!(
-        "{}/{}",
-        meta.namespace.as_deref().unwrap_or("default"),
-        meta.name.as_deref().unwrap_or("")
-    );
-    let Some(spec) = pod.spec.as_ref() else {
-        return Ok(None);
-    };
-    // The effective request: the larger of the sum over app containers and any init container.
+/// The pod's effective `[gpu-mem units, whole GPUs, CPU millis, memory MiB]`: the larger of the sum
+/// over app containers and any init container.
+fn effective_requests(spec: &k8s_openapi::api::core::v1::PodSpec) -> Result<[u64; 4], String> {
     // Extended resources: a whole count, from the limit (the request equals it when given).
     let count = |c: &k8s_openapi::api::core::v1::Container, res: &str| {
         let r = c.resources.as_ref();
@@ -567,7 +558,23 @@ pub fn pod_demand(pod: &Pod, rules: &ClassRules) -> Result<Option<PodDemand>, St
             }
         }
     }
-    let [mem_units, whole, cpu, memory] = [0, 1, 2, 3].map(|i| totals[i].max(init_max[i]));
+    Ok([0, 1, 2, 3].map(|i| totals[i].max(init_max[i])))
+}
+
+/// The pod's CPU (millis) and memory (MiB) requests, as kube-scheduler sums them.
+pub fn cpu_memory_requests(pod: &Pod) -> (u64, u64) {
+    pod.spec
+        .as_ref()
+        .and_then(|s| effective_requests(s).ok())
+        .map_or((0, 0), |[_, _, cpu, memory]| (cpu, memory))
+}
+
+/// Reads the pod's GPU request. `Ok(None)`: the pod asks for no GPU.
+pub fn pod_demand(pod: &Pod, rules: &ClassRules) -> Result<Option<PodDemand>, String> {
+    let Some(spec) = pod.spec.as_ref() else {
+        return Ok(None);
+    };
+    let [mem_units, whole, cpu, memory] = effective_requests(spec)?;
     let demand = match (mem_units, whole) {
         (0, 0) => return Ok(None),
         (m, 0) => Demand::Memory { units: m },
@@ -581,6 +588,25 @@ pub fn pod_demand(pod: &Pod, rules: &ClassRules) -> Result<Option<PodDemand>, St
             ));
         }
     };
+    demand_of(pod, rules, demand, cpu, memory).map(Some)
+}
+
+/// The request of a pod whose GPU `demand` is known (from its containers, or from its ResourceClaim on
+/// the DRA path): what its labels and annotations add (models, topology, class).
+pub fn demand_of(
+    pod: &Pod,
+    rules: &ClassRules,
+    demand: Demand,
+    cpu_milli: u64,
+    memory_mib: u64,
+) -> Result<PodDemand, String> {
+    let meta = &pod.metadata;
+    let key = format!(
+        "{}/{}",
+        meta.namespace.as_deref().unwrap_or("default"),
+        meta.name.as_deref().unwrap_or("")
+    );
+    let spec = pod.spec.as_ref();
     let annotations = meta.annotations.as_ref();
     let labels = meta.labels.as_ref();
     let get = |k: &str| {
@@ -628,11 +654,12 @@ pub fn pod_demand(pod: &Pod, rules: &ClassRules) -> Result<Option<PodDemand>, St
         }
         None => {
             let by_class = spec
-                .priority_class_name
-                .as_ref()
+                .and_then(|s| s.priority_class_name.as_ref())
                 .is_some_and(|c| rules.online_priority_classes.iter().any(|o| o == c));
-            let by_priority =
-                matches!((spec.priority, rules.online_min_priority), (Some(p), Some(min)) if p >= min);
+            let by_priority = matches!(
+                (spec.and_then(|s| s.priority), rules.online_min_priority),
+                (Some(p), Some(min)) if p >= min
+            );
             if by_class || by_priority {
                 WorkloadClass::Online
             } else {
@@ -640,16 +667,16 @@ pub fn pod_demand(pod: &Pod, rules: &ClassRules) -> Result<Option<PodDemand>, St
             }
         }
     };
-    Ok(Some(PodDemand {
+    Ok(PodDemand {
         key,
         uid: meta.uid.clone().unwrap_or_default(),
         demand,
         models,
         topology,
         class,
-        cpu_milli: cpu,
-        memory_mib: memory,
-    }))
+        cpu_milli,
+        memory_mib,
+    })
 }
 
 /// Whether the pod may be preempted by the scorer (label or annotation `gpumem.io/preemptible: "true"`).

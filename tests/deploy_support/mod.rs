@@ -365,6 +365,12 @@ pub fn check_typed(doc: &Json) -> Result<String, String> {
         "admissionregistration.k8s.io/v1/ValidatingAdmissionPolicyBinding" => {
             round_trip::<admissionregistration::v1::ValidatingAdmissionPolicyBinding>(doc)
         }
+        "admissionregistration.k8s.io/v1/MutatingAdmissionPolicy" => {
+            round_trip::<admissionregistration::v1::MutatingAdmissionPolicy>(doc)
+        }
+        "admissionregistration.k8s.io/v1/MutatingAdmissionPolicyBinding" => {
+            round_trip::<admissionregistration::v1::MutatingAdmissionPolicyBinding>(doc)
+        }
         "apiextensions.k8s.io/v1/CustomResourceDefinition" => {
             round_trip::<apiextensions::v1::CustomResourceDefinition>(doc)
         }

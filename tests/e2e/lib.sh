@@ -204,11 +204,12 @@ scheduler_config() {
     grep -q 'leaderElect: false' "$RUN_OUT/scheduler.yaml"
 }
 
-# start_scorer: as the chart runs it, its TLS files from `gpumem certs` as the Secret holds them; logs
-# at $SCORER_LOG (RUST_LOG syntax).
+# start_scorer: as the chart runs it, its TLS files from `gpumem certs` as the Secret holds them, and
+# $SCORER_CONFIG_EXTRA (YAML) in its configuration; logs at $SCORER_LOG (RUST_LOG syntax).
 start_scorer() {
   cat > "$RUN_OUT/scorer.yaml" <<YAML
 tls: {certFile: $CERTS/scorer.crt, keyFile: $CERTS/scorer.key, clientCAFile: $CERTS/ca.crt}
+${SCORER_CONFIG_EXTRA:-}
 YAML
   KUBECONFIG=$RUN_OUT/scorer.kubeconfig RUST_LOG=${SCORER_LOG:-info,gpumem=debug} \
     "$BIN/gpumem" scorer --listen "$SCORER_ADDR" --tls-listen "$SCORER_TLS_ADDR" \

@@ -1,0 +1,107 @@
+# Placement on the DRA path (sourced by scripts/e2e.sh after dra.sh; Kubernetes 1.36+): with the
+# MutatingAdmissionPolicy of components/dra-placement and the scorer's `dra:` configuration, gpumem,
+# not kube-scheduler's first fit, chooses the GPU of each claim. The node serves the `mixed` profile:
+# gpu-0 and gpu-1 are V100-SXM2-32GB, gpu-2 and gpu-3 are T4. Runs before dra_uninstall, and leaves
+# the policy removed and the scorer as it was.
+
+DRA_SCENARIOS=${DRA_SCENARIOS/dra_uninstall/dra_placement dra_uninstall}
+
+# gate_added: a pod with a claim gets the gate at admission (a server-side dry run).
+gate_added() {
+  kn create --dry-run=server -o 'jsonpath={.spec.schedulingGates[*].name}' -f - 2> /dev/null <<EOF | grep -q gpumem.io/placement
+apiVersion: v1
+kind: Pod
+metadata: {name: gate-probe}
+spec:
+  resourceClaims: [{name: gpu, resourceClaimTemplateName: pl-5000mi}]
+  containers: [{name: main, image: localhost/busybox:harness, resources: {claims: [{name: gpu}]}}]
+EOF
+}
+placement_leading() { curl -s "http://$SCORER_ADDR/metrics" | grep -q '^gpumem_scorer_dra_leading 1$'; }
+claim_share_id() { claim_result "$1" shareID; }
+claim_uid() { kn get resourceclaim "$(claim_name "$1")" -o 'jsonpath={.metadata.uid}' 2> /dev/null; }
+is_gated() { [ "$(pod_field "$1" '.status.conditions[?(@.type=="PodScheduled")].reason')" == SchedulingGated ]; }
+scorer_said() { grep -F "$1" "$RUN_OUT/scorer.log" | grep -qF "$2"; }
+
+# A claim whose request narrows the class by a CEL selector: gpumem leaves it to kube-scheduler.
+selector_template() {
+  kn apply -f - > /dev/null <<EOF
+apiVersion: resource.k8s.io/v1
+kind: ResourceClaimTemplate
+metadata:
+  name: $1
+spec:
+  spec:
+    devices:
+      requests:
+        - name: gpu
+          exactly:
+            deviceClassName: gpu.gpumem.io
+            selectors:
+              - cel: {expression: 'device.attributes["gpumem.io"].productName.startsWith("Tesla V100")'}
+            capacity:
+              requests:
+                memory: 2000Mi
+EOF
+}
+
+scenario_dra_placement() {
+  scenario "DRA: gpumem places the claims (a scheduling gate, the scorer's allocation), not kube-scheduler's first fit"
+  if ! k apply -f "$ROOT/deploy/manifests/base/scorer-dra-rbac.yaml" \
+    -f "$ROOT/deploy/manifests/components/dra-placement/placement.yaml" > "$RUN_OUT/placement-apply.log" 2>&1; then
+    bad "the scorer's DRA role and the placement admission policy applied" "$(cat "$RUN_OUT/placement-apply.log")"
+    return
+  fi
+  ok "the scorer's DRA role and the placement admission policy applied"
+  stop_scorer
+  # The configuration components/dra-placement/scorer-config.yaml gives the chart's scorer.
+  SCORER_CONFIG_EXTRA=$(sed -n '/^    dra:/,$p' "$ROOT/deploy/manifests/components/dra-placement/scorer-config.yaml" | sed 's/^    //')
+  start_scorer
+  eventually "one scorer replica leads the DRA placement" 60 placement_leading
+  claim_template pl-5000mi 5000Mi
+  eventually "a new pod with a claim gets the gate gpumem.io/placement" 60 gate_added
+
+  new_claim_pod pl-a pl-5000mi
+  eventually "a 5000Mi claim, placed by gpumem, runs" 60 is_running pl-a
+  expect_eq "gpumem allocated it (the share is the claim's UID)" "$(claim_uid pl-a)" "$(claim_share_id pl-a)"
+  expect_eq "on a T4 (gpu-2), keeping the V100s whole; kube-scheduler's first fit takes gpu-0" gpu-2 "$(claim_device pl-a)"
+  expect_eq "the pod runs without the gate" "" "$(pod_field pl-a .spec.schedulingGates)"
+  scorer_said "placed the pod's claim" "$NS/pl-a" && ok "the scorer logs the placement" || bad "the scorer logs the placement"
+  check_claim_pod pl-a 5000
+  new_claim_pod pl-b pl-5000mi
+  eventually "a second 5000Mi claim runs" 60 is_running pl-b
+  expect_eq "on the same T4, the tightest fit" gpu-2 "$(claim_device pl-b)"
+  expect_eq "the usage annotation: both on gpu-2" 10000 "$(gpu_mib 2)"
+
+  claim_template pl-40000mi 40000Mi
+  new_claim_pod pl-big pl-40000mi
+  eventually "40000Mi fits no GPU: the scorer says why" 60 scorer_said "waiting: no DRA node has room" "$NS/pl-big"
+  expect_eq "the pod waits gated, its claim unallocated" "SchedulingGated/" \
+    "$(pod_field pl-big '.status.conditions[?(@.type=="PodScheduled")].reason')/$(claim_device pl-big)"
+
+  selector_template pl-v100
+  new_claim_pod pl-sel pl-v100
+  eventually "a claim with a CEL selector runs, left to kube-scheduler" 60 is_running pl-sel
+  scorer_said "left to kube-scheduler" "$NS/pl-sel" && ok "the scorer says it left it to kube-scheduler" ||
+    bad "the scorer says it left it to kube-scheduler"
+  expect_eq "kube-scheduler's first fit: gpu-0" gpu-0 "$(claim_device pl-sel)"
+  expect_ne "its share is not the claim's UID (kube-scheduler's own)" "$(claim_uid pl-sel)" "$(claim_share_id pl-sel)"
+  expect_eq "kube-scheduler counts gpumem's allocations: gpu-2 holds 10000" 10000 "$(gpu_mib 2)"
+
+  delete_pods pl-a pl-b pl-big pl-sel
+  eventually "the pods' claims are gone" 60 no_claims
+  wait_dra_idle
+
+  # Six at once: the decisions are one at a time, their writes overlap; nothing is promised twice.
+  local p
+  for p in 1 2 3 4 5 6; do new_claim_pod "pl-burst-$p" pl-5000mi; done
+  for p in 1 2 3 4 5 6; do eventually "burst pod $p runs" 90 is_running "pl-burst-$p"; done
+  expect_eq "three on each T4, the V100s untouched" "0 0 15000 15000" "$(gpu_allocated "$REAL_NODE")"
+  delete_pods pl-burst-1 pl-burst-2 pl-burst-3 pl-burst-4 pl-burst-5 pl-burst-6
+  eventually "the burst's claims are gone" 60 no_claims
+  k delete -f "$ROOT/deploy/manifests/components/dra-placement/placement.yaml" --ignore-not-found > /dev/null 2>&1
+  stop_scorer
+  SCORER_CONFIG_EXTRA=""
+  start_scorer
+  wait_dra_idle
+}
