@@ -806,12 +806,12 @@ async fn a_hostile_accounting_file_neither_crashes_nor_blocks_the_metrics() {
             .flatten()
     };
 
-    // A valid file, as the shim leaves it: 1 GiB in use on the container's first device.
+    // A valid file, as the shim leaves it: 1 GiB in use on the container's first device, by a
+    // process still attached (one that has exited would count for nothing).
     let mut limits = [UNLIMITED; MAX_DEVICES];
     limits[0] = 2 << 30;
     let (accounting, _) = Accounting::open_or_create(&dir, &limits).unwrap();
     assert!(accounting.try_reserve(0, 1 << 30));
-    drop(accounting);
     let content = std::fs::read(&file).unwrap();
 
     // The container shrinks and regrows its file as fast as it can while /metrics is scraped.
@@ -865,6 +865,7 @@ async fn a_hostile_accounting_file_neither_crashes_nor_blocks_the_metrics() {
         .find(|l| l.starts_with("gpumem_gpu_memory_used_bytes{gpu=\"2\"") && l.contains("source=\"shim\""))
         .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok());
     assert_eq!(shim_used, Some(f64::from(1u32 << 30)), "{text}");
+    drop(accounting);
 
     // A FIFO in its place: opening it for reading would wait for a writer forever.
     std::fs::remove_file(&file).unwrap();

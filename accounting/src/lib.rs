@@ -17,6 +17,7 @@
 //! | 8 | version (u32, [`VERSION`]) |
 //! | 12, 16, 20 | [`MAX_DEVICES`], [`MAX_SLOTS`], slot size (u32 each) |
 //! | 24 | file size (u64) |
+//! | 32 | flags (u64): bit 0 [`FLAG_HOLDERS_LOCK`] |
 //! | 64 | `limit[MAX_DEVICES]`: bytes, [`UNLIMITED`] for none (written once, at creation) |
 //! | 192 | `used[MAX_DEVICES]`: bytes in use by the container (all processes) |
 //! | 384 | `MAX_SLOTS` process slots of 192 bytes: `owner` (0 free, `u64::MAX` busy, else the PID), `start_time` (clock ticks after boot, field 22 of `/proc/<pid>/stat`, to tell a reused PID from its dead owner), `used[MAX_DEVICES]` |
@@ -34,6 +35,12 @@
 //!   itself is private to the container.
 //! - Allocation: [`Accounting::try_reserve`] (CAS against the limit) then [`Accounting::charge`] on the
 //!   process's own slot; frees undo both ([`Accounting::release`], [`Accounting::discharge`]).
+//! - Liveness: every process attached to a file it created with [`FLAG_HOLDERS_LOCK`] holds a shared
+//!   open-file-description lock (`F_OFD_SETLK`, `F_RDLCK`) on its first byte for as long as it runs
+//!   (its forked children share it; the kernel drops it when the last of them exits or execs). No
+//!   such lock left means every process of the container has exited, killed or not: [`read_usage`]
+//!   then counts nothing, whatever the counters say (nobody is left to reap a killed process's
+//!   share). The lock is tested with `F_OFD_GETLK`, which takes nothing.
 //! - Reaping: any process may reclaim the slot of a dead process ([`Accounting::reap`]): it wins the
 //!   slot with a CAS on `owner` (so two reapers never subtract twice), subtracts the slot's usage from
 //!   `used` and frees the slot. The driver frees a dead process's device memory itself; this only
@@ -81,6 +88,10 @@ pub const MAX_PLAUSIBLE_BYTES: u64 = 1 << 50;
 /// PIDs are below the kernel's `pid_max`, which is at most 2^22 (`PID_MAX_LIMIT` on 64-bit).
 const PID_MAX_LIMIT: u64 = 1 << 22;
 
+/// Bit of the header's flags: every process attached to the file holds a shared lock on its first
+/// byte while it runs (see "Liveness" above). Set by the creator.
+pub const FLAG_HOLDERS_LOCK: u64 = 1;
+
 const OWNER_FREE: u64 = 0;
 const OWNER_BUSY: u64 = u64::MAX;
 
@@ -92,7 +103,8 @@ struct Header {
     max_slots: AtomicU32,
     slot_size: AtomicU32,
     file_size: AtomicU64,
-    _reserved: [AtomicU64; 4],
+    flags: AtomicU64,
+    _reserved: [AtomicU64; 3],
     limit: [AtomicU64; MAX_DEVICES],
     used: [AtomicU64; MAX_DEVICES],
     _pad: [AtomicU64; 8],
@@ -328,6 +340,8 @@ pub enum Opened {
 /// The writer's view: a mapped accounting file (or process-private shared memory).
 pub struct Accounting {
     map: Mapping,
+    /// The file, open for as long as this process runs: it carries this process's liveness lock.
+    _file: Option<File>,
     /// The limits this process enforces (its own environment's), kept process-local so the hot path
     /// does not read them from a file any process of the container could write.
     limits: Limits,
@@ -354,7 +368,7 @@ impl Accounting {
             .custom_flags(libc::O_CLOEXEC | libc::O_NOFOLLOW)
             .open(&path)
             .map_err(io_error(|| format!("cannot open {}", path.display())))?;
-        let _lock =
+        let lock =
             FileLock::exclusive(&file).map_err(io_error(|| format!("cannot lock {}", path.display())))?;
         let len = file
             .metadata()
@@ -370,7 +384,13 @@ impl Accounting {
                 .map_err(io_error(|| format!("cannot size {}", path.display())))?;
             let map =
                 Mapping::new(Some(&file)).map_err(io_error(|| format!("cannot map {}", path.display())))?;
-            let accounting = Self { map, limits: *limits };
+            hold_liveness_lock(&file).map_err(io_error(|| format!("cannot lock {}", path.display())))?;
+            drop(lock);
+            let accounting = Self {
+                map,
+                _file: Some(file),
+                limits: *limits,
+            };
             accounting.initialise();
             return Ok((accounting, Opened::Created));
         }
@@ -379,7 +399,7 @@ impl Accounting {
             return Err(incompatible(path, Reason::Size, detail));
         }
         let map = Mapping::new(Some(&file)).map_err(io_error(|| format!("cannot map {}", path.display())))?;
-        validate(map.header()).map_err(|detail| incompatible(path, Reason::Format, detail))?;
+        validate(map.header()).map_err(|detail| incompatible(path.clone(), Reason::Format, detail))?;
         let same = map
             .header()
             .limit
@@ -391,14 +411,25 @@ impl Accounting {
         } else {
             Opened::LimitsDiffer
         };
-        Ok((Self { map, limits: *limits }, opened))
+        hold_liveness_lock(&file).map_err(io_error(|| format!("cannot lock {}", path.display())))?;
+        drop(lock);
+        let accounting = Self {
+            map,
+            _file: Some(file),
+            limits: *limits,
+        };
+        Ok((accounting, opened))
     }
 
     /// Process-private accounting (no directory given): the same counters in anonymous memory, so
     /// the limit holds per process.
     pub fn anonymous(limits: &Limits) -> Result<Self, Error> {
         let map = Mapping::new(None).map_err(io_error(|| "cannot map anonymous memory".to_owned()))?;
-        let accounting = Self { map, limits: *limits };
+        let accounting = Self {
+            map,
+            _file: None,
+            limits: *limits,
+        };
         accounting.initialise();
         Ok(accounting)
     }
@@ -410,6 +441,7 @@ impl Accounting {
         header.max_slots.store(MAX_SLOTS as u32, Ordering::Relaxed);
         header.slot_size.store(SLOT_SIZE as u32, Ordering::Relaxed);
         header.file_size.store(FILE_SIZE as u64, Ordering::Relaxed);
+        header.flags.store(FLAG_HOLDERS_LOCK, Ordering::Relaxed);
         for (stored, limit) in header.limit.iter().zip(&self.limits) {
             stored.store(*limit, Ordering::Relaxed);
         }
@@ -601,6 +633,38 @@ fn validate(header: &Header) -> Result<(), String> {
 }
 
 /// Holds an `flock` for as long as it lives.
+/// The liveness lock's range: the file's first byte.
+fn liveness_range(kind: libc::c_short) -> libc::flock {
+    // SAFETY: all-zero is a valid `struct flock` (and required for `l_pid` with OFD locks).
+    let mut range: libc::flock = unsafe { std::mem::zeroed() };
+    range.l_type = kind;
+    range.l_whence = libc::SEEK_SET as libc::c_short;
+    range.l_start = 0;
+    range.l_len = 1;
+    range
+}
+
+/// Takes this process's shared liveness lock on `file` (an open file description lock: shared with
+/// forked children, released by the kernel when the last descriptor of it closes).
+fn hold_liveness_lock(file: &File) -> io::Result<()> {
+    let range = liveness_range(libc::F_RDLCK as libc::c_short);
+    // SAFETY: plain syscall on an open descriptor with a valid `struct flock`.
+    if unsafe { libc::fcntl(file.as_raw_fd(), libc::F_OFD_SETLK, &range) } == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
+/// Whether some process still holds a liveness lock on `file` (tested without taking anything).
+/// When the kernel cannot say, it is taken to be held: the counters are then believed.
+fn liveness_lock_held(file: &File) -> bool {
+    let mut range = liveness_range(libc::F_WRLCK as libc::c_short);
+    // SAFETY: as above; the kernel writes the conflicting lock, if any, into `range`.
+    let rc = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_OFD_GETLK, &mut range) };
+    rc != 0 || range.l_type != libc::F_UNLCK as libc::c_short
+}
+
 struct FileLock<'a>(&'a File);
 
 impl<'a> FileLock<'a> {
@@ -668,7 +732,9 @@ impl Usage {
 /// Reads `<dir>/gpumem-accounting` without changing it and without a lock, into a private copy.
 ///
 /// `Ok(None)`: no file yet, or one still being created (no process of the container has used
-/// CUDA). Whatever the container puts at that path is an error at worst, never a fault or a wait:
+/// CUDA), or every process that used it has exited (a file whose creator set [`FLAG_HOLDERS_LOCK`]
+/// and on which no process holds its liveness lock any more: killed processes leave their share in
+/// the counters, which only another process of the container could reap). Whatever the container puts at that path is an error at worst, never a fault or a wait:
 /// only a regular file is opened (never through a symlink), and it is read with `pread` rather
 /// than mapped, so a file that shrinks is a short read ([`Reason::Size`]). Numbers no shim writes
 /// reject the file ([`Reason::Counters`]): a limit above [`MAX_PLAUSIBLE_BYTES`], or a device's
@@ -699,6 +765,11 @@ pub fn read_usage(dir: &Path) -> Result<Option<Usage>, Error> {
     std::sync::atomic::fence(Ordering::Acquire);
     let copy = FileCopy::read(&file).map_err(read_error(&path))?;
     validate(copy.header()).map_err(|detail| incompatible(path.clone(), Reason::Format, detail))?;
+    if copy.header().flags.load(Ordering::Relaxed) & FLAG_HOLDERS_LOCK != 0 && !liveness_lock_held(&file) {
+        // Every process that used it has exited: what the counters still hold (a killed process's
+        // share, which only a process of the container could reap) is not in use.
+        return Ok(None);
+    }
     let usage = snapshot(&copy);
     check_bounds(&usage).map_err(|detail| incompatible(path, Reason::Counters, detail))?;
     Ok(Some(usage))
@@ -863,7 +934,9 @@ mod tests {
         let slot = acct.claim_slot(4242, 7).expect("slot");
         assert!(acct.try_reserve(0, 700 << 10));
         acct.charge(slot, 0, 700 << 10);
-        drop(acct);
+        // Its writer stays attached for the rest of the test (its liveness lock held): a file nobody
+        // holds reads as nothing in use.
+        std::mem::forget(acct);
         std::fs::read(dir.join(FILE_NAME)).expect("read back")
     }
 
@@ -1025,6 +1098,37 @@ mod tests {
         assert_eq!(acct.used(0), 0, "release saturates at zero");
     }
 
+    /// Killed processes leave their share in the counters; once no process holds the file (every
+    /// one of them closed it, as the kernel does for a killed one), the reader counts nothing. A
+    /// file an older shim created (no flag) is read as before.
+    #[test]
+    fn a_file_nobody_holds_counts_nothing() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let (a, _) = Accounting::open_or_create(dir.path(), &limits(1 << 20)).expect("create");
+        let (b, _) = Accounting::open_or_create(dir.path(), &limits(1 << 20)).expect("open");
+        let slot = a.claim_slot(4242, 7).expect("slot");
+        assert!(a.try_reserve(0, 700 << 10));
+        a.charge(slot, 0, 700 << 10);
+        drop(a);
+        let usage = read_usage(dir.path()).expect("read").expect("b still holds it");
+        assert_eq!(usage.devices[0].used, 700 << 10, "a's share, not reaped");
+        drop(b);
+        assert!(
+            read_usage(dir.path()).expect("read").is_none(),
+            "nobody holds it: nothing in use"
+        );
+
+        // The same file as an older shim left it: no flag, the counters are believed.
+        let path = dir.path().join(FILE_NAME);
+        let file = OpenOptions::new().write(true).open(&path).expect("open");
+        file.write_all_at(&0u64.to_ne_bytes(), 32)
+            .expect("clear the flags");
+        let usage = read_usage(dir.path())
+            .expect("read")
+            .expect("no flag: read as before");
+        assert_eq!(usage.devices[0].used, 700 << 10);
+    }
+
     #[test]
     fn file_is_shared_and_validated() {
         let dir = tempfile::tempdir().expect("temp dir");
@@ -1090,9 +1194,10 @@ mod tests {
     fn an_empty_file_left_by_a_dead_creator_is_initialised() {
         let dir = tempfile::tempdir().expect("temp dir");
         std::fs::write(dir.path().join(FILE_NAME), b"").expect("write");
-        let (_, opened) = Accounting::open_or_create(dir.path(), &limits(1)).expect("open");
+        let (acct, opened) = Accounting::open_or_create(dir.path(), &limits(1)).expect("open");
         assert_eq!(opened, Opened::Created);
         assert!(read_usage(dir.path()).expect("read").is_some());
+        drop(acct);
     }
 
     #[test]

@@ -7,6 +7,7 @@ mod support;
 use gpumem_accounting::read_usage;
 use support::{
     Holder, MIB, MODES, Mode, Shim, accounting_dir, command, nvml_program, probe, run, stderr, stdout,
+    usage_while_attached,
 };
 
 const LIMIT_MIB: &str = "64";
@@ -66,7 +67,7 @@ fn every_path_stops_at_the_limit(mode: Mode, extra_env: &[(&str, &str)]) {
         "{mode:?}: one warning per process:\n{err}"
     );
     assert!(err.contains("CUDA_ERROR_OUT_OF_MEMORY"), "{err}");
-    let usage = read_usage(dir.path()).expect("readable").expect("created");
+    let usage = usage_while_attached(dir.path());
     assert_eq!(usage.devices[0].used, 0, "everything was freed");
     assert_eq!(usage.devices[0].limit, Some(LIMIT));
 }
@@ -167,7 +168,7 @@ fn two_processes_share_one_limit() {
         cmd.args(["alloc", "alloc", &(40 * MIB).to_string(), "hold", "free", "info"]);
         cmd
     });
-    let usage = read_usage(dir.path()).expect("readable").expect("created");
+    let usage = usage_while_attached(dir.path());
     assert_eq!(usage.devices[0].used, 40 * MIB);
     let holder = usage
         .processes
@@ -197,13 +198,13 @@ fn two_processes_share_one_limit() {
         "{out}"
     );
     // The second process exited holding 24 MiB: its exit gave them back.
-    let usage = read_usage(dir.path()).expect("readable").expect("created");
+    let usage = usage_while_attached(dir.path());
     assert_eq!(usage.devices[0].used, 40 * MIB);
     assert_eq!(usage.processes.len(), 1, "{usage:?}");
 
     let rest = first.release();
     assert_eq!(rest, format!("free rc=0\ninfo rc=0 free={LIMIT} total={LIMIT}\n"));
-    let usage = read_usage(dir.path()).expect("readable").expect("created");
+    let usage = usage_while_attached(dir.path());
     assert_eq!(
         (usage.devices[0].used, usage.processes.len()),
         (0, 0),
@@ -224,7 +225,11 @@ fn a_killed_process_memory_is_reclaimed() {
     });
     let pid = victim.pid();
     victim.kill();
-    let usage = read_usage(dir.path()).expect("readable").expect("created");
+    assert!(
+        read_usage(dir.path()).expect("readable").is_none(),
+        "no process of the container left: the agent counts nothing"
+    );
+    let usage = usage_while_attached(dir.path());
     assert_eq!(usage.devices[0].used, 60 * MIB, "nobody has reaped yet");
     assert!(usage.processes.iter().any(|p| p.pid == pid));
 
@@ -236,7 +241,7 @@ fn a_killed_process_memory_is_reclaimed() {
     let err = stderr(&output);
     assert!(err.contains(&format!("reclaimed {} bytes", 60 * MIB)), "{err}");
     assert!(!err.contains("GPUMEM warn"), "{err}");
-    let usage = read_usage(dir.path()).expect("readable").expect("created");
+    let usage = usage_while_attached(dir.path());
     assert_eq!(
         (usage.devices[0].used, usage.processes.len()),
         (0, 0),
@@ -469,7 +474,7 @@ fn a_hidden_proc_reaps_nothing() {
         stderr(&output)
     );
     assert!(stderr(&output).contains("/proc does not show this process"));
-    let usage = read_usage(dir.path()).expect("readable").expect("created");
+    let usage = usage_while_attached(dir.path());
     assert_eq!(
         usage.devices[0].used,
         16 * MIB,

@@ -302,3 +302,16 @@ pub fn accounting_dir() -> tempfile::TempDir {
 }
 
 pub const MIB: u64 = 1 << 20;
+
+/// The usage in `dir`'s accounting file as the agent reads it while a process of the container is
+/// attached. The agent counts nothing in a file no process holds any more (its processes all exited
+/// or were killed); attaching first shows what the counters hold.
+pub fn usage_while_attached(dir: &Path) -> gpumem_accounting::Usage {
+    let limits = [gpumem_accounting::UNLIMITED; gpumem_accounting::MAX_DEVICES];
+    let (attached, _) = gpumem_accounting::Accounting::open_or_create(dir, &limits).expect("attach");
+    let usage = gpumem_accounting::read_usage(dir)
+        .expect("readable")
+        .expect("created");
+    drop(attached);
+    usage
+}
