@@ -37,6 +37,9 @@ pub struct Config {
     pub log: Level,
     /// Problems found while reading the environment, logged once reading is done.
     pub problems: Vec<String>,
+    /// The limit (and, if this process had none, the directory) came from the environment of the
+    /// container's first process, this process's own having no `GPUMEM_LIMIT_MIB`.
+    pub from_init: bool,
 }
 
 /// The variable naming the limit(s) in MiB.
@@ -56,7 +59,29 @@ impl Config {
             let value = unsafe { libc::getenv(name.as_ptr()) };
             (!value.is_null()).then(|| unsafe { CStr::from_ptr(value) }.to_bytes())
         }
-        Self::from_vars(var(LIMIT_ENV), var(DIR_ENV), var(LOG_ENV))
+        let limit = var(LIMIT_ENV);
+        if limit.is_some_and(|l| !l.trim_ascii().is_empty()) {
+            return Self::from_vars(limit, var(DIR_ENV), var(LOG_ENV));
+        }
+        // A program may have been started with a cleared environment (`env -i`, sudo, a launcher
+        // that passes its workers only what it chooses): the container's own, which its first
+        // process (PID 1 in the container's PID namespace) was started with, still applies.
+        let init = std::fs::read("/proc/1/environ").unwrap_or_default();
+        let init_var = |name: &CStr| {
+            let prefix = [name.to_bytes(), b"="].concat();
+            init.split(|&b| b == 0)
+                .find_map(|entry| entry.strip_prefix(prefix.as_slice()))
+        };
+        let Some(limit) = init_var(LIMIT_ENV).filter(|l| !l.trim_ascii().is_empty()) else {
+            return Self::from_vars(None, var(DIR_ENV), var(LOG_ENV));
+        };
+        let mut config = Self::from_vars(
+            Some(limit),
+            var(DIR_ENV).or_else(|| init_var(DIR_ENV)),
+            var(LOG_ENV),
+        );
+        config.from_init = config.limits.is_some();
+        config
     }
 
     pub fn from_vars(limit: Option<&[u8]>, dir: Option<&[u8]>, log: Option<&[u8]>) -> Self {
@@ -94,6 +119,7 @@ impl Config {
             dir,
             log,
             problems,
+            from_init: false,
         }
     }
 }

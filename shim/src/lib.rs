@@ -8,9 +8,12 @@
 //!
 //! - `GPUMEM_LIMIT_MIB`: the limit in MiB. One number applies to every visible device (each counted
 //!   on its own); a comma list gives one limit per CUDA device ordinal (`5000,3000`), devices past
-//!   the list unlimited. Unset or empty: **pass-through**, every call goes to the driver untouched
-//!   and every lookup returns the driver's own answer. Set but invalid: every allocation is refused
-//!   (fail closed) and an error says why.
+//!   the list unlimited. Unset or empty: the value the container's first process (PID 1 of its PID
+//!   namespace) was started with, from `/proc/1/environ` (so a program started with a cleared
+//!   environment is still held, and `GPUMEM_ACCOUNTING_DIR` comes from there too if it lacks it); if
+//!   that has none either: **pass-through**, every call goes to the driver untouched and every lookup
+//!   returns the driver's own answer. Set but invalid: every allocation is refused (fail closed) and
+//!   an error says why.
 //! - `GPUMEM_ACCOUNTING_DIR`: the directory (one per container, mounted by the agent) holding the
 //!   accounting file `gpumem-accounting` that all processes of the container share (format: the
 //!   `gpumem-accounting` crate). Unset or unusable: each process is held to the limit on its own,

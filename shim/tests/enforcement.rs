@@ -482,3 +482,59 @@ fn a_hidden_proc_reaps_nothing() {
     );
     holder.release();
 }
+
+/// A program started with a cleared environment (`env -u GPUMEM_LIMIT_MIB`, as a launcher that
+/// passes its workers only what it chooses would) is held by the limit its container's first process
+/// was started with: here PID 1 of a PID namespace of its own, started with the limit, as a
+/// container's is. Before, it was not held (the e2e escapes measured 2000 MiB against 1000).
+#[test]
+fn a_cleared_environment_keeps_the_container_limit() {
+    let unshare = ["-Upf", "--mount-proc"];
+    let permitted = std::process::Command::new("unshare")
+        .args(unshare)
+        .arg("true")
+        .status()
+        .is_ok_and(|s| s.success());
+    if !permitted {
+        eprintln!("unshare -Upf --mount-proc is not permitted here: nothing to check");
+        return;
+    }
+    let dir = accounting_dir();
+    let inner = command(&probe(Mode::Direct), &Shim::limit(LIMIT_MIB, Some(dir.path())));
+    let mut cmd = std::process::Command::new("unshare");
+    // PID 1 (the shell) keeps the environment; its child, the probe, has neither variable.
+    cmd.args(unshare)
+        .args([
+            "sh",
+            "-c",
+            "env -u GPUMEM_LIMIT_MIB -u GPUMEM_ACCOUNTING_DIR \"$0\" \"$@\"; status=$?; exit $status",
+        ])
+        .arg(inner.get_program())
+        .args(["fill", "alloc", "128", "8", "info"]);
+    for (key, value) in inner.get_envs() {
+        match value {
+            Some(value) => cmd.env(key, value),
+            None => cmd.env_remove(key),
+        };
+    }
+    cmd.env("GPUMEM_LOG", "info");
+    let output = run(cmd);
+    assert_eq!(
+        stdout(&output).lines().collect::<Vec<_>>(),
+        [
+            format!("fill alloc held={LIMIT} rc=2").as_str(),
+            format!("info rc=0 free=0 total={LIMIT}").as_str(),
+        ],
+        "{}",
+        stderr(&output)
+    );
+    assert!(
+        stderr(&output).contains("the container's (its first process's) applies"),
+        "{}",
+        stderr(&output)
+    );
+    assert!(
+        dir.path().join(gpumem_accounting::FILE_NAME).exists(),
+        "it used the container's accounting file"
+    );
+}

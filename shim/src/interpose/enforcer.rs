@@ -19,6 +19,12 @@ extern "C" fn constructor() {
         for problem in &config.problems {
             log!(Error, "{problem}");
         }
+        if config.from_init {
+            log!(
+                Info,
+                "GPUMEM_LIMIT_MIB is not in this process's environment: the container's (its first process's) applies"
+            );
+        }
         if let Some(limits) = &config.limits {
             log!(
                 Debug,
