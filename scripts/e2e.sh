@@ -10,7 +10,9 @@
 # accounts (tokens from `kubectl create token`), the GPUClaim CRD and its controller, certificates from `gpumem certs`, the project's
 # scheduler configuration pointed at the scorer's TLS port with the scheduler's client certificate, the shim where the DaemonSet's init container puts it, the agent on a simulated node through
 # the fake NVML, two API-only nodes carrying what an agent publishes. Then it runs the scenarios of
-# tests/e2e/scenarios.sh and prints `N passed, N failed`.
+# tests/e2e/scenarios.sh and prints `N passed, N failed`. The enforcement scenarios (tests/e2e/enforce.sh)
+# run real programs in pods of an image built here (tests/e2e/probe-image.sh: the test program over the
+# fake libcuda.so.1, with this machine's loader and glibc) and imported into each cluster's containerd.
 #
 # On 1.36 the same node then moves to the DRA path (the agent restarted with `mode: dra`) and the DRA
 # scenarios run.
@@ -39,6 +41,7 @@ source "$ROOT/tests/e2e/lib.sh"
 source "$ROOT/tests/e2e/scenarios.sh"
 source "$ROOT/tests/e2e/dra.sh"
 source "$ROOT/tests/e2e/placement.sh"
+source "$ROOT/tests/e2e/enforce.sh"
 
 NS=e2e
 REAL_NODE=gpu-node-1
@@ -61,6 +64,9 @@ mkdir -p "$BIN"
 for f in gpumem libgpumem_cuda.so libgpumem_fake_nvml.so; do
   cp "$ROOT/target/debug/$f" "$BIN/$f.new" && mv -f "$BIN/$f.new" "$BIN/$f" || exit 1
 done
+
+# The image of the enforcement scenarios: the test program over the fake libcuda.so.1, glibc from here.
+build_probe_image || { echo "error: building the probe image failed (see $OUT/probe-image.log)" >&2; exit 1; }
 
 # The fake NVML, reachable under the name nvml-wrapper loads.
 NVML_DIR=$OUT/nvml
@@ -165,6 +171,7 @@ run_cluster() {
     return
   fi
   ok "Kubernetes $K8S_VERSION up with the $KUBELET kubelet"
+  import_probe_image || bad "the probe image imported into containerd" "see $RUN_OUT/probe-image-import.log"
 
   # The shim, installed as the init container does: a new file, then a rename.
   cp "$BIN/libgpumem_cuda.so" "$SHIM_DEST/.libgpumem_cuda.so.new" &&

@@ -4,7 +4,7 @@
 # own allocator on the agent's ResourceSlice and prepared by the agent. The node serves the `mixed`
 # profile: gpu-0 and gpu-1 are V100-SXM2-32GB (32Gi), gpu-2 and gpu-3 are T4 (15Gi).
 
-DRA_SCENARIOS="dra_switch dra_claims dra_fragmentation dra_whole dra_nvlink_pair dra_xid dra_restarts \
+DRA_SCENARIOS="dra_switch dra_claims dra_enforce dra_fragmentation dra_whole dra_nvlink_pair dra_xid dra_restarts \
 dra_node_restriction dra_uninstall"
 DRIVER=gpumem.io
 # The node's ResourceSlice.

@@ -3,7 +3,8 @@
 # V100-SXM2-32GB (32768 MiB) joined by NVLink, GPUs 2 and 3 are T4 (15360 MiB); 1 unit = 1 MiB.
 
 ALL_SCENARIOS="registration extender_tls canonical_quantities fragmentation whole_gpus xid multi_node agent_restart \
-kubelet_restart scorer_restart claims claims_at_minimum claims_failover overlays"
+kubelet_restart scorer_restart claims claims_at_minimum claims_failover enforce_paths enforce_usage enforce_neighbours \
+enforce_restarts overlays"
 
 # On 1.34 and later the node then moves to the DRA path (DRA_SCENARIOS, in tests/e2e/dra.sh).
 # scenarios_for VERSION: what runs on that Kubernetes version.
