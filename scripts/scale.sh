@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# Scheduling at scale through the REAL kube-scheduler (the kit in ../shared/k8s, Kubernetes 1.24):
-# API-only GPU nodes carrying what the agent publishes, pods with the openb trace's GPU sizes, once
-# with the gpumem extender (the shipped default-scheduler config, the scorer as its service account
-# over TLS, as scripts/e2e.sh sets them up) and once with kube-scheduler alone. gpumem-scale (scale/)
+# Scheduling at scale through the REAL kube-scheduler (the kit in ../shared/k8s, Kubernetes 1.24, or
+# 1.36 with GPUMEM_SCALE_K8S=1.36): API-only GPU nodes carrying what the agent publishes, pods with the
+# openb trace's GPU sizes, once per mode: `extender` (the shipped default-scheduler config, the scorer as
+# its service account over TLS, as scripts/e2e.sh sets them up), `alone` (kube-scheduler alone), and on
+# 1.36 the DRA path: `dra-alone` (a ResourceSlice per node, pods with claims, kube-scheduler's own
+# allocator) and `dra-gpumem` (the same with gpumem's placement: the admission policy of
+# components/dra-placement and the scorer's `dra:` configuration). gpumem-scale (scale/)
 # creates the nodes, keeps them Ready, plays the agent for the pods bound there and measures
 # (docs/scale.md). Run as root:
 #
@@ -12,7 +15,10 @@
 #   GPUMEM_K8S_KIT          the kit (../shared/k8s)
 #   K8S_STATE               the kit's state dir (/tmp/gpumem-scale)
 #   GPUMEM_SCALE_NODES      node counts, space-separated ("1000"; e.g. "1000 500")
-#   GPUMEM_SCALE_MODES      "extender alone"
+#   GPUMEM_SCALE_MODES      "extender alone" (also: dra-alone dra-gpumem, on 1.36)
+#   GPUMEM_SCALE_K8S        the kit's Kubernetes: 1.24 or 1.36 (1.24)
+#   GPUMEM_SCALE_SATURATE   saturation phase: trace pods offered until this many wait unplaced at once,
+#                           then the GPU memory left unallocated is measured (0: none)
 #   GPUMEM_SCALE_RATE       steady phase, pods created per second (100)
 #   GPUMEM_SCALE_DURATION   steady phase, seconds (30)
 #   GPUMEM_SCALE_BURST      burst phase, pods (3000)
@@ -36,6 +42,23 @@ RATE=${GPUMEM_SCALE_RATE:-100}
 DURATION=${GPUMEM_SCALE_DURATION:-30}
 BURST=${GPUMEM_SCALE_BURST:-3000}
 FILL=${GPUMEM_SCALE_FILL:-20000}
+SATURATE=${GPUMEM_SCALE_SATURATE:-0}
+export K8S_VERSION=${GPUMEM_SCALE_K8S:-1.24}
+for m in $MODES; do
+  case "$m" in
+    extender | alone) ;;
+    dra-alone | dra-gpumem)
+      [ "$K8S_VERSION" != 1.24 ] || {
+        echo "error: mode $m needs Kubernetes 1.36 (GPUMEM_SCALE_K8S=1.36)" >&2
+        exit 2
+      }
+      ;;
+    *)
+      echo "error: unknown mode $m (extender, alone, dra-alone, dra-gpumem)" >&2
+      exit 2
+      ;;
+  esac
+done
 SEED=${GPUMEM_SCALE_SEED:-1}
 TRACE=${GPUMEM_SCALE_TRACE:-$ROOT/../shared/traces/openb/openb_pod_list_default.csv}
 OUT=${GPUMEM_SCALE_OUT:-$ROOT/target/scale}
@@ -102,18 +125,22 @@ run_one() {
   log "== $nodes nodes, $mode (results: $RUN_OUT)"
   "$KIT/down.sh" > /dev/null 2>&1
   CERTS=$RUN_OUT/certs
-  if [ "$mode" == extender ]; then
+  if [ "$mode" == extender ] || [ "$mode" == dra-gpumem ]; then
     "$BIN/gpumem" certs --out "$CERTS" > "$RUN_OUT/certs.log" 2>&1 || {
       log "gpumem certs failed: $(cat "$RUN_OUT/certs.log")"
       return 1
     }
+  fi
+  local kit_config=$KIT/config/scheduler-config.yaml
+  [ "$K8S_VERSION" == 1.24 ] || kit_config=$KIT/config/$K8S_VERSION/scheduler-config.yaml
+  if [ "$mode" == extender ]; then
     scheduler_config || {
       log "the scheduler configuration did not render (see $RUN_OUT/scheduler.yaml)"
       return 1
     }
   else
     sed 's|^  kubeconfig: .*|  kubeconfig: ${K8S_STATE}/admin.kubeconfig|' \
-      "$KIT/config/scheduler-config.yaml" > "$RUN_OUT/scheduler.yaml"
+      "$kit_config" > "$RUN_OUT/scheduler.yaml"
   fi
   with_scheduler_qps "$RUN_OUT/scheduler.yaml" || {
     log "cannot raise kube-scheduler's qps in $RUN_OUT/scheduler.yaml"
@@ -130,8 +157,25 @@ run_one() {
     log "the shipped RBAC did not apply: $(cat "$RUN_OUT/rbac.log")"
     return 1
   fi
+  # The DRA path: the DeviceClass; with gpumem's placement, the scorer's DRA role and the policy
+  # that gates claim pods.
+  local dra=()
+  case "$mode" in
+    dra-alone) dra=(-f "$ROOT/deploy/manifests/components/dra/dra.yaml") ;;
+    dra-gpumem)
+      dra=(-f "$ROOT/deploy/manifests/components/dra/dra.yaml" -f "$base/scorer-dra-rbac.yaml"
+        -f "$ROOT/deploy/manifests/components/dra-placement/placement.yaml")
+      ;;
+  esac
+  if [ ${#dra[@]} -gt 0 ] && ! k apply "${dra[@]}" > "$RUN_OUT/dra.log" 2>&1; then
+    log "the DRA objects did not apply: $(cat "$RUN_OUT/dra.log")"
+    return 1
+  fi
   local scorer_args=()
-  if [ "$mode" == extender ]; then
+  SCORER_CONFIG_EXTRA=""
+  [ "$mode" != dra-gpumem ] ||
+    SCORER_CONFIG_EXTRA=$(sed -n '/^    dra:/,$p' "$ROOT/deploy/manifests/components/dra-placement/scorer-config.yaml" | sed 's/^    //')
+  if [ "$mode" == extender ] || [ "$mode" == dra-gpumem ]; then
     service_account_kubeconfig gpumem-scorer "$RUN_OUT/scorer.kubeconfig" || {
       log "no token for the scorer's service account"
       return 1
@@ -150,7 +194,7 @@ run_one() {
   fi
   log "cluster up in $((SECONDS - started)) s so far; gpumem-scale runs"
   KUBECONFIG=$ADMIN_KUBECONFIG "$BIN/gpumem-scale" run --mode "$mode" --nodes "$nodes" \
-    --rate "$RATE" --duration "$DURATION" --burst "$BURST" --fill "$FILL" --seed "$SEED" \
+    --rate "$RATE" --duration "$DURATION" --burst "$BURST" --fill "$FILL" --saturate "$SATURATE" --seed "$SEED" \
     --trace "$TRACE" --out "$RUN_OUT" --k8s-state "$K8S_STATE" "${scorer_args[@]}" \
     > "$RUN_OUT/stdout.txt" 2> >(tee "$RUN_OUT/progress.log" >&2)
   local status=$?

@@ -12,6 +12,7 @@ use gpumem::node::{self, ROOM_FREED_LABEL, TopologyAnnotation, UsageAnnotation};
 use gpumem::plugin::devices::{GPU_RESOURCE, MEM_RESOURCE, units_per_gpu};
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
+use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceClaimTemplate, ResourceSlice};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
 use kube::api::{ListParams, Patch, PatchParams, PostParams};
 use kube::{Api, Client};
@@ -39,22 +40,26 @@ pub fn node_name(i: usize) -> String {
 }
 
 /// What the kubelet would report as capacity (= allocatable) with the agent's device plugin
-/// registered: one `nvidia.com/gpu` device per GPU, one `nvidia.com/gpu-mem` device per memory unit.
-pub fn capacity(model: &NodeModel) -> BTreeMap<String, String> {
+/// registered: one `nvidia.com/gpu` device per GPU, one `nvidia.com/gpu-mem` device per memory unit;
+/// on the DRA path (`dra`) no GPU resource at all (the GPUs are in the node's ResourceSlice).
+pub fn capacity(model: &NodeModel, dra: bool) -> BTreeMap<String, String> {
     let mem_units: u64 = model
         .inventory
         .gpus
         .iter()
         .map(|g| units_per_gpu(g.memory_mib, MEM_UNIT_MIB))
         .sum();
-    BTreeMap::from([
+    let mut cap = BTreeMap::from([
         ("cpu".into(), "96".into()),
         ("memory".into(), "768Gi".into()),
         ("pods".into(), "250".into()),
         ("ephemeral-storage".into(), "1Ti".into()),
-        (GPU_RESOURCE.into(), model.inventory.gpus.len().to_string()),
-        (MEM_RESOURCE.into(), mem_units.to_string()),
-    ])
+    ]);
+    if !dra {
+        cap.insert(GPU_RESOURCE.into(), model.inventory.gpus.len().to_string());
+        cap.insert(MEM_RESOURCE.into(), mem_units.to_string());
+    }
+    cap
 }
 
 fn now_micro() -> serde_json::Value {
@@ -69,8 +74,8 @@ fn now_time() -> serde_json::Value {
 }
 
 /// The node's status as a kubelet posts it: capacity, Ready, and the pressure conditions.
-pub fn status_patch(name: &str, model: &NodeModel) -> serde_json::Value {
-    let cap = capacity(model);
+pub fn status_patch(name: &str, model: &NodeModel, dra: bool) -> serde_json::Value {
+    let cap = capacity(model, dra);
     let now = now_time();
     let condition = |kind: &str, status: &str, reason: &str| {
         json!({"type": kind, "status": status, "reason": reason, "message": "gpumem-scale API-only node",
@@ -128,7 +133,7 @@ pub async fn apply_agent_metadata(
 
 /// Creates (or takes over) one scale node: the object with its taint, its status (Ready), its Lease,
 /// and the agent's labels and annotations (every GPU idle).
-pub async fn create_node(client: &Client, name: &str, model: &NodeModel) -> anyhow::Result<()> {
+pub async fn create_node(client: &Client, name: &str, model: &NodeModel, dra: bool) -> anyhow::Result<()> {
     let nodes: Api<Node> = Api::all(client.clone());
     let object: Node = serde_json::from_value(json!({
         "apiVersion": "v1", "kind": "Node",
@@ -147,10 +152,13 @@ pub async fn create_node(client: &Client, name: &str, model: &NodeModel) -> anyh
         .patch_status(
             name,
             &PatchParams::default(),
-            &Patch::Merge(&status_patch(name, model)),
+            &Patch::Merge(&status_patch(name, model, dra)),
         )
         .await
         .with_context(|| format!("setting node {name}'s status"))?;
+    if dra {
+        create_slice(client, name, model).await?;
+    }
     // The NodeTaint admission plugin puts node.kubernetes.io/not-ready on every new Node; the node
     // lifecycle controller removes it once the node is Ready, but through kube-controller-manager's
     // client limit (20 qps in 1.24, with other writes: ~5 nodes/s here, minutes for 1000 nodes). A
@@ -220,6 +228,7 @@ pub async fn renew_leases(client: Client, names: Arc<Vec<String>>, failures: Arc
 pub async fn repair_status(
     client: Client,
     models: Arc<HashMap<String, Arc<NodeModel>>>,
+    dra: bool,
     period: Duration,
     reposted: Arc<AtomicU64>,
 ) {
@@ -254,7 +263,7 @@ pub async fn repair_status(
                 .patch_status(
                     name,
                     &PatchParams::default(),
-                    &Patch::Merge(&status_patch(name, model)),
+                    &Patch::Merge(&status_patch(name, model, dra)),
                 )
                 .await
             {
@@ -330,6 +339,173 @@ pub fn pod(name: &str, run: &str, phase: &str, size: Size) -> anyhow::Result<Pod
     .context("building the Pod object")
 }
 
+/// The DRA driver's name, as the agent publishes it (the chart's default `dra.driverName`).
+pub const DRA_DRIVER: &str = "gpumem.io";
+/// The DeviceClass claims name (the chart's `gpu.<driverName>`).
+pub const DRA_CLASS: &str = "gpu.gpumem.io";
+
+/// The node's ResourceSlice, as the agent in DRA mode publishes it (its own code renders it).
+pub async fn create_slice(client: &Client, name: &str, model: &NodeModel) -> anyhow::Result<()> {
+    let healthy = vec![true; model.inventory.gpus.len()];
+    let pcie_roots = gpumem::gpu::pcie_roots(&model.inventory, None);
+    let spec = gpumem::node::slice::resource_slice_spec(
+        &model.inventory,
+        &gpumem::node::slice::SliceInputs {
+            driver: DRA_DRIVER,
+            node: name,
+            unit_mib: MEM_UNIT_MIB,
+            healthy: &healthy,
+            pcie_roots: &pcie_roots,
+            generation: 1,
+        },
+    );
+    let slice = ResourceSlice {
+        metadata: kube::api::ObjectMeta {
+            name: Some(gpumem::node::slice::slice_name(name, DRA_DRIVER)),
+            ..Default::default()
+        },
+        spec,
+    };
+    let slices: Api<ResourceSlice> = Api::all(client.clone());
+    match slices.create(&PostParams::default(), &slice).await {
+        Ok(_) => Ok(()),
+        Err(kube::Error::Api(s)) if s.code == 409 => Ok(()),
+        Err(e) => Err(e).with_context(|| format!("creating the ResourceSlice of {name}")),
+    }
+}
+
+/// The ResourceClaimTemplate a pod of `size` names on the DRA path.
+pub fn template_name(size: Size) -> String {
+    match size {
+        Size::Share { mib } => format!("share-{mib}mi"),
+        Size::Whole { count } => format!("whole-{count}"),
+    }
+}
+
+/// The template for `size`: memory of one GPU, or `count` whole GPUs (no capacity request: each
+/// device's default, the whole GPU).
+pub fn claim_template(size: Size) -> anyhow::Result<ResourceClaimTemplate> {
+    let exactly = match size {
+        Size::Share { mib } => json!({"deviceClassName": DRA_CLASS,
+            "capacity": {"requests": {"memory": format!("{mib}Mi")}}}),
+        Size::Whole { count } => json!({"deviceClassName": DRA_CLASS, "count": count}),
+    };
+    serde_json::from_value(json!({
+        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate",
+        "metadata": {"name": template_name(size)},
+        "spec": {"spec": {"devices": {"requests": [{"name": "gpu", "exactly": exactly}]}}},
+    }))
+    .context("building a ResourceClaimTemplate")
+}
+
+/// The pod's own claim on the DRA path, as its size's template would make it, named after the pod.
+/// The tool creates it itself: from a template, kube-controller-manager makes each claim and records
+/// it in the pod's status, within its client limit (20 requests/s by default, which the kit keeps),
+/// and that, not the scheduler, would bound every DRA run at about 9 pods/s.
+pub fn claim(name: &str, run: &str, phase: &str, size: Size) -> anyhow::Result<ResourceClaim> {
+    let template = claim_template(size)?;
+    let mut claim: ResourceClaim = serde_json::from_value(json!({
+        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+        "metadata": {"name": name, "labels": {RUN_LABEL: run, PHASE_LABEL: phase}},
+    }))
+    .context("building a ResourceClaim")?;
+    claim.spec = template.spec.spec;
+    Ok(claim)
+}
+
+/// [`pod`] on the DRA path: the GPU comes from its own claim ([`claim`], same name).
+pub fn claim_pod(name: &str, run: &str, phase: &str, size: Size) -> anyhow::Result<Pod> {
+    let mut pod = pod(name, run, phase, size)?;
+    let spec = pod.spec.as_mut().context("a pod without spec")?;
+    spec.resource_claims = Some(vec![k8s_openapi::api::core::v1::PodResourceClaim {
+        name: "gpu".into(),
+        resource_claim_name: Some(name.to_string()),
+        ..Default::default()
+    }]);
+    for c in &mut spec.containers {
+        let resources = c.resources.get_or_insert_default();
+        resources.limits = None;
+        resources.claims = Some(vec![k8s_openapi::api::core::v1::ResourceClaim {
+            name: "gpu".into(),
+            ..Default::default()
+        }]);
+    }
+    Ok(pod)
+}
+
+/// GPU memory the allocated claims of `namespace` hold, in MiB: each result's consumed memory, or
+/// its device's whole memory without one (`memory_of(node, device index)`).
+pub async fn claimed_mib(
+    client: &Client,
+    namespace: &str,
+    memory_of: impl Fn(&str, u32) -> u64,
+) -> anyhow::Result<u64> {
+    let claims: Api<ResourceClaim> = Api::namespaced(client.clone(), namespace);
+    let mut total = 0u64;
+    let mut params = ListParams::default().limit(500);
+    loop {
+        let page = claims.list(&params).await.context("listing ResourceClaims")?;
+        for claim in &page.items {
+            let results = claim
+                .status
+                .as_ref()
+                .and_then(|s| s.allocation.as_ref())
+                .and_then(|a| a.devices.as_ref())
+                .and_then(|d| d.results.as_deref())
+                .unwrap_or_default();
+            for r in results.iter().filter(|r| r.driver == DRA_DRIVER) {
+                let consumed = r
+                    .consumed_capacity
+                    .as_ref()
+                    .and_then(|c| c.get("memory"))
+                    .and_then(|q| gpumem::quantity::Quantity::parse(&q.0).ok())
+                    .and_then(|q| q.mib_ceil().ok());
+                total += match consumed {
+                    Some(mib) => mib,
+                    None => gpumem::node::slice::device_index(&r.device).map_or(0, |i| memory_of(&r.pool, i)),
+                };
+            }
+        }
+        match page.metadata.continue_ {
+            Some(token) if !token.is_empty() => params = params.continue_token(&token),
+            _ => return Ok(total),
+        }
+    }
+}
+
+/// Deletes the run's claims of `selector`, and waits (up to `timeout`) until none is left: a claim
+/// goes once the resource claim controller has taken its deleted pod out of `reservedFor` and
+/// cleared its allocation.
+pub async fn delete_claims(
+    client: &Client,
+    namespace: &str,
+    selector: &str,
+    timeout: Duration,
+) -> anyhow::Result<()> {
+    let claims: Api<ResourceClaim> = Api::namespaced(client.clone(), namespace);
+    let by_label = ListParams::default().labels(selector);
+    claims
+        .delete_collection(&kube::api::DeleteParams::default(), &by_label)
+        .await
+        .context("deleting claims")?;
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        let left = claims
+            .list_metadata(&by_label)
+            .await
+            .context("listing claims")?
+            .items
+            .len();
+        if left == 0 {
+            return Ok(());
+        }
+        if tokio::time::Instant::now() > deadline {
+            anyhow::bail!("{left} claims ({selector}) still there after {timeout:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
 /// Lists the pods of one phase still present (after a delete).
 pub async fn count_pods(pods: &Api<Pod>, selector: &str) -> anyhow::Result<usize> {
     let list = pods
@@ -378,12 +554,44 @@ mod tests {
     #[test]
     fn capacity_as_the_device_plugin_reports_it() {
         let m = model("dgx-a100");
-        let cap = capacity(&m);
+        let cap = capacity(&m, false);
         assert_eq!(cap["nvidia.com/gpu"], "8");
         assert_eq!(cap["nvidia.com/gpu-mem"], m.total_mib().to_string());
         assert_eq!(cap["nvidia.com/gpu-mem"], (8 * 81_920).to_string());
         let m = model("mixed");
-        assert_eq!(capacity(&m)["nvidia.com/gpu"], "4");
+        assert_eq!(capacity(&m, false)["nvidia.com/gpu"], "4");
+        // On the DRA path the GPUs are in the ResourceSlice, not in the node's capacity.
+        let dra = capacity(&m, true);
+        assert!(!dra.contains_key("nvidia.com/gpu") && !dra.contains_key("nvidia.com/gpu-mem"));
+        assert_eq!(dra["cpu"], "96");
+    }
+
+    #[test]
+    fn dra_pods_ask_through_their_own_claim_made_as_their_sizes_template() {
+        let p = claim_pod("p1", "run", "steady", Size::Share { mib: 7537 }).unwrap();
+        let spec = p.spec.unwrap();
+        let claims = spec.resource_claims.unwrap();
+        assert_eq!(claims[0].resource_claim_name.as_deref(), Some("p1"));
+        let c =
+            serde_json::to_value(claim("p1", "run", "steady", Size::Share { mib: 7537 }).unwrap()).unwrap();
+        assert_eq!(c["metadata"]["labels"][PHASE_LABEL], "steady");
+        assert_eq!(
+            c["spec"]["devices"]["requests"][0]["exactly"]["capacity"]["requests"]["memory"],
+            "7537Mi"
+        );
+        let resources = spec.containers[0].resources.as_ref().unwrap();
+        assert_eq!(resources.claims.as_ref().unwrap()[0].name, "gpu");
+        assert!(resources.limits.is_none(), "no extended resource on the DRA path");
+        let t = serde_json::to_value(claim_template(Size::Share { mib: 7537 }).unwrap()).unwrap();
+        let exactly = &t["spec"]["spec"]["devices"]["requests"][0]["exactly"];
+        assert_eq!(exactly["capacity"]["requests"]["memory"], "7537Mi");
+        assert_eq!(exactly["deviceClassName"], DRA_CLASS);
+        let t = serde_json::to_value(claim_template(Size::Whole { count: 2 }).unwrap()).unwrap();
+        let exactly = &t["spec"]["spec"]["devices"]["requests"][0]["exactly"];
+        assert_eq!(
+            (exactly["count"].as_i64(), exactly.get("capacity")),
+            (Some(2), None)
+        );
     }
 
     #[test]
@@ -407,7 +615,7 @@ mod tests {
     #[test]
     fn status_is_ready_with_the_capacity() {
         let m = model("t4x4");
-        let s = status_patch("scale-node-0001", &m);
+        let s = status_patch("scale-node-0001", &m, false);
         assert_eq!(s["status"]["conditions"][0]["type"], "Ready");
         assert_eq!(s["status"]["conditions"][0]["status"], "True");
         assert_eq!(s["status"]["allocatable"]["nvidia.com/gpu"], "4");

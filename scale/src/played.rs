@@ -45,7 +45,7 @@ impl NodeModel {
         }
     }
 
-    #[cfg(test)]
+    /// The node's GPU memory, MiB.
     pub fn total_mib(&self) -> u64 {
         self.inventory.gpus.iter().map(|g| g.memory_mib).sum()
     }

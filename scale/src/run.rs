@@ -14,6 +14,7 @@ use futures_util::StreamExt as _;
 use gpumem::gpu::GpuInventory;
 use gpumem::node::ASSIGNED_GPUS_ANNOTATION;
 use k8s_openapi::api::core::v1::{Node, Pod};
+use k8s_openapi::api::resource::v1::ResourceClaim;
 use kube::api::{DeleteParams, ListParams, PostParams};
 use kube::runtime::watcher;
 use kube::{Api, Client};
@@ -28,12 +29,33 @@ use crate::stats::{self, Latency};
 use crate::trace::{self, Kind, Sampler, Size};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize)]
-#[serde(rename_all = "lowercase")]
+#[serde(rename_all = "kebab-case")]
 pub enum Mode {
     /// kube-scheduler with the gpumem extender (the scorer binds).
     Extender,
     /// kube-scheduler alone.
     Alone,
+    /// The DRA path (Kubernetes 1.34+): ResourceSlices, pods with claims, kube-scheduler's own
+    /// allocator (first fit).
+    DraAlone,
+    /// The DRA path with gpumem's placement: the scorer allocates the claims of gated pods.
+    DraGpumem,
+}
+
+impl Mode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Mode::Extender => "extender",
+            Mode::Alone => "alone",
+            Mode::DraAlone => "dra-alone",
+            Mode::DraGpumem => "dra-gpumem",
+        }
+    }
+
+    /// Whether the nodes serve their GPUs through DRA.
+    pub fn dra(self) -> bool {
+        matches!(self, Mode::DraAlone | Mode::DraGpumem)
+    }
 }
 
 #[derive(Args, Debug, Clone)]
@@ -69,6 +91,13 @@ pub struct RunArgs {
     pub fill: u64,
     #[arg(long, default_value_t = 1000)]
     pub fill_mib: u64,
+    /// Saturation phase: trace pods offered until this many of them wait unplaced at once; then the
+    /// GPU memory left unallocated is measured, as `gpumem simulate` does (0: no such phase).
+    #[arg(long, default_value_t = 0)]
+    pub saturate: u64,
+    /// Saturation phase: at most this many pods offered.
+    #[arg(long, default_value_t = 200_000)]
+    pub saturate_max: u64,
     /// A phase ends when every pod is bound or this many seconds pass with no new binding.
     #[arg(long, default_value_t = 20.0)]
     pub stall: f64,
@@ -150,13 +179,13 @@ struct Counters {
     gone: AtomicU64,
 }
 
-const PHASES: [&str; 3] = ["steady", "burst", "fill"];
+const PHASES: [&str; 4] = ["steady", "burst", "fill", "saturate"];
 
 struct World {
     run: String,
     namespace: String,
     pods: Mutex<HashMap<String, Rec>>,
-    counters: [Counters; 3],
+    counters: [Counters; 4],
     last_bind: Mutex<Option<Instant>>,
     books: Mutex<HashMap<String, NodeBook>>,
     /// Nodes whose usage changed since the last write, and whether room grew.
@@ -167,7 +196,9 @@ struct World {
     publish_errors: AtomicU64,
     current: Mutex<Option<usize>>,
     /// Phases whose results are taken.
-    closed: [AtomicBool; 3],
+    closed: [AtomicBool; 4],
+    /// The nodes serve DRA: there is no agent to play (the claims carry the allocation).
+    dra: bool,
     meter: Mutex<Option<PhaseMeter>>,
 }
 
@@ -209,7 +240,7 @@ impl World {
                 .and_then(|a| a.get(ASSIGNED_GPUS_ANNOTATION))
                 .map(String::as_str);
             let mut books = lock(&self.books);
-            if let Some(book) = books.get_mut(&node) {
+            if let Some(book) = books.get_mut(&node).filter(|_| !self.dra) {
                 match book.bind(&key, rec.size, assigned) {
                     Outcome::Placed { followed, .. } => {
                         rec.followed = followed;
@@ -336,7 +367,8 @@ async fn progress(world: Arc<World>, started: Instant) {
 
 /// Creates one pod; t0 is taken just before the request goes out.
 async fn create_one(world: &World, pods: &Api<Pod>, phase: usize, name: String, size: Size) {
-    let object = match k8s::pod(&name, &world.run, PHASES[phase], size) {
+    let build = if world.dra { k8s::claim_pod } else { k8s::pod };
+    let object = match build(&name, &world.run, PHASES[phase], size) {
         Ok(o) => o,
         Err(err) => {
             tracing::error!(error = %err, "cannot build a pod");
@@ -359,6 +391,25 @@ async fn create_one(world: &World, pods: &Api<Pod>, phase: usize, name: String, 
         },
     );
     let counters = &world.counters[phase];
+    if world.dra {
+        let claims: Api<ResourceClaim> = Api::namespaced(pods.clone().into_client(), &world.namespace);
+        let made = match k8s::claim(&name, &world.run, PHASES[phase], size) {
+            Ok(claim) => claims
+                .create(&PostParams::default(), &claim)
+                .await
+                .map(drop)
+                .map_err(|e| e.to_string()),
+            Err(e) => Err(format!("{e:#}")),
+        };
+        if let Err(err) = made {
+            counters.errors.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(claim = %name, error = %err, "claim create failed");
+            if let Some(r) = lock(&world.pods).get_mut(&name) {
+                r.error = Some(err);
+            }
+            return;
+        }
+    }
     match pods.create(&PostParams::default(), &object).await {
         Ok(_) => {
             counters.created.fetch_add(1, Ordering::Relaxed);
@@ -435,6 +486,15 @@ async fn delete_phase(world: &World, pods: &Api<Pod>, phase: usize) -> anyhow::R
         }
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
+    if world.dra {
+        k8s::delete_claims(
+            &pods.clone().into_client(),
+            &world.namespace,
+            &selector,
+            Duration::from_secs(600),
+        )
+        .await?;
+    }
     // The played agent's last writes go out before the next phase starts.
     while !lock(&world.dirty).is_empty() {
         tokio::time::sleep(Duration::from_millis(200)).await;
@@ -471,6 +531,18 @@ pub struct PhaseSummary {
     pub nodes_ready_at_end: usize,
 }
 
+/// The saturation phase: trace pods offered until `--saturate` of them waited unplaced at once.
+#[derive(Serialize, Debug)]
+pub struct Saturation {
+    pub offered: u64,
+    /// GPU memory held by the placed pods (the played agent's books; on the DRA path, the claims'
+    /// consumed capacity), MiB.
+    pub allocated_mib: u64,
+    pub total_mib: u64,
+    /// The simulator's metric on the real system: the share of all GPU memory left unallocated.
+    pub unallocated_pct: f64,
+}
+
 #[derive(Serialize, Debug)]
 pub struct Summary {
     pub mode: Mode,
@@ -487,6 +559,8 @@ pub struct Summary {
     pub concurrency: usize,
     pub fill: u64,
     pub fill_mib: u64,
+    /// What the saturation phase left unallocated.
+    pub saturation: Option<Saturation>,
     pub setup_s: f64,
     pub phases: Vec<PhaseSummary>,
     pub deletes_s: BTreeMap<String, f64>,
@@ -640,14 +714,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         .context("no Kubernetes client configuration (KUBECONFIG)")?;
     k8s::ensure_namespace(&client, &args.namespace).await?;
 
-    let run_id = format!(
-        "{}-{}",
-        match args.mode {
-            Mode::Extender => "extender",
-            Mode::Alone => "alone",
-        },
-        unix_millis() / 1000
-    );
+    let run_id = format!("{}-{}", args.mode.as_str(), unix_millis() / 1000);
     let world = Arc::new(World {
         run: run_id,
         namespace: args.namespace.clone(),
@@ -668,6 +735,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         current: Mutex::new(None),
         closed: Default::default(),
         meter: Mutex::new(None),
+        dra: args.mode.dra(),
     });
 
     tracing::info!(nodes = args.nodes, ?counts, "creating the scale nodes");
@@ -677,11 +745,12 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         .map(|(n, &m)| (n.clone(), models[m].clone()))
         .collect();
     let created = AtomicU64::new(0);
+    let dra = args.mode.dra();
     k8s::for_each_limited(pairs, 16, |(name, model)| {
         let client = client.clone();
         let created = &created;
         async move {
-            k8s::create_node(&client, &name, &model).await?;
+            k8s::create_node(&client, &name, &model, dra).await?;
             let n = created.fetch_add(1, Ordering::Relaxed) + 1;
             if n.is_multiple_of(100) {
                 eprintln!("[{:>6.1}s] nodes created: {n}", started.elapsed().as_secs_f64());
@@ -708,7 +777,8 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     let reposted = Arc::new(AtomicU64::new(0));
     tokio::spawn(k8s::repair_status(
         lease_client,
-        Arc::new(by_name),
+        Arc::new(by_name.clone()),
+        dra,
         Duration::from_secs(10),
         reposted.clone(),
     ));
@@ -792,6 +862,66 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         // The played agent's last writes reach the scorer before its memory is read.
         phases.close(2, t, Duration::from_secs(3)).await?;
     }
+    // g. saturate: offered until they stop fitting; what is left unallocated then.
+    let saturation = if args.saturate > 0 {
+        if args.fill > 0 {
+            deletes.insert("fill".to_string(), delete_phase(&world, &pods, 2).await?);
+        }
+        let t = phases.begin(3);
+        let c = &world.counters[3];
+        let mut offered = 0u64;
+        let stall = Duration::from_secs_f64(args.stall);
+        // In rounds: offer a batch, let the scheduler place what it can (until no binding for the
+        // stall time), and stop once `--saturate` pods wait unplaced: a slow binding is not a full cluster.
+        while offered < args.saturate_max {
+            let batch = (args.concurrency as u64 * 8).min(args.saturate_max - offered);
+            let sizes: Vec<Size> = (0..batch).map(|_| sampler.next_size()).collect();
+            create_all(
+                &world,
+                &pods,
+                3,
+                &format!("saturate-{offered:06}"),
+                sizes,
+                args.concurrency,
+            )
+            .await;
+            offered += batch;
+            wait_bound(&world, 3, Instant::now(), stall).await;
+            let created = c.created.load(Ordering::Relaxed);
+            let waiting = created - c.bound.load(Ordering::Relaxed).min(created);
+            eprintln!(
+                "[{:>6.1}s] saturate: {offered} offered, {waiting} wait unplaced",
+                started.elapsed().as_secs_f64()
+            );
+            if waiting >= args.saturate {
+                break;
+            }
+        }
+        phases.close(3, t, Duration::from_secs(3)).await?;
+        let total_mib: u64 = by_name.values().map(|m| m.total_mib()).sum();
+        let allocated_mib = if dra {
+            k8s::claimed_mib(&client, &args.namespace, |node, index| {
+                by_name
+                    .get(node)
+                    .and_then(|m| m.inventory.gpus.iter().find(|g| g.index == index))
+                    .map_or(0, |g| g.memory_mib)
+            })
+            .await?
+        } else {
+            lock(&world.books)
+                .values()
+                .map(|b| b.usage().gpus.iter().map(|g| g.allocated_mib).sum::<u64>())
+                .sum()
+        };
+        Some(Saturation {
+            offered,
+            allocated_mib,
+            total_mib,
+            unallocated_pct: 100.0 * (1.0 - allocated_mib as f64 / total_mib.max(1) as f64),
+        })
+    } else {
+        None
+    };
     let Phases {
         done: phases,
         ready_log,
@@ -822,6 +952,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         concurrency: args.concurrency,
         fill: args.fill,
         fill_mib: args.fill_mib,
+        saturation,
         setup_s,
         phases,
         deletes_s: deletes,
@@ -945,8 +1076,13 @@ pub fn render(s: &Summary) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "gpumem-scale: mode {:?}, {} nodes {:?}; trace {} ({} GPU pods sampled, {} CPU-only pods left out)",
-        s.mode, s.nodes, s.node_profiles, s.trace, s.trace_gpu_pods, s.trace_cpu_only_pods_left_out
+        "gpumem-scale: mode {}, {} nodes {:?}; trace {} ({} GPU pods sampled, {} CPU-only pods left out)",
+        s.mode.as_str(),
+        s.nodes,
+        s.node_profiles,
+        s.trace,
+        s.trace_gpu_pods,
+        s.trace_cpu_only_pods_left_out
     );
     let _ = writeln!(out, "mapping: {}", s.mapping);
     let f = |x: Option<f64>| x.map_or("-".to_string(), |v| format!("{v:.1}"));
@@ -999,6 +1135,13 @@ pub fn render(s: &Summary) -> String {
         s.lease_renewal_failures,
         s.node_status_reposted
     );
+    if let Some(sat) = &s.saturation {
+        let _ = writeln!(
+            out,
+            "saturation: {} pods offered; {} of {} MiB of GPU memory allocated: {:.2}% unallocated",
+            sat.offered, sat.allocated_mib, sat.total_mib, sat.unallocated_pct
+        );
+    }
     out
 }
 
