@@ -374,6 +374,13 @@ struct Known {
     /// Nodes with a ResourceSlice of the driver: the DRA nodes.
     slices: HashMap<String, HashSet<String>>,
     shares: Shares,
+    /// Every claim as the watch last showed it, by `namespace/name`: a decision reads a pod's claims
+    /// here, not from the API server (a stale copy only costs a conflict on the write, which is retried).
+    claims: HashMap<String, Arc<ResourceClaim>>,
+    /// Counts the events that may have freed room (a claim deallocated or deleted, a slice changed).
+    room_freed: u64,
+    /// Pods that found no room, with `room_freed` and the time then.
+    no_room: HashMap<String, (u64, std::time::Instant)>,
     /// Pods whose claim is being written (by pod UID): not looked at again meanwhile.
     writing: HashSet<String>,
     /// Gated pods by UID.
@@ -406,6 +413,8 @@ enum Outcome {
     Released(String),
     /// Stays gated, looked at again later (why).
     Waiting(String),
+    /// Stays gated until room is freed somewhere (why).
+    NoRoom(String),
 }
 
 /// What the placer decided for one gated pod.
@@ -419,9 +428,20 @@ enum Decision {
     },
 }
 
+/// How often a pod that found no room is looked at again even if no claim freed any.
+const RECHECK_EVERY: Duration = Duration::from_secs(10);
+
 /// Allocations written at once, each a few requests to the API server: decisions stay one at a
 /// time, the round trips overlap.
 const WRITES_IN_FLIGHT: usize = 16;
+
+fn claim_key(claim: &ResourceClaim) -> String {
+    format!(
+        "{}/{}",
+        claim.metadata.namespace.as_deref().unwrap_or_default(),
+        claim.metadata.name.as_deref().unwrap_or_default()
+    )
+}
 
 fn pod_key(pod: &Pod) -> String {
     format!(
@@ -478,6 +498,7 @@ impl Placer {
 
     fn on_slice(&self, event: &watcher::Event<ResourceSlice>) {
         let mut known = self.known();
+        known.room_freed += 1;
         let add = |known: &mut Known, s: &ResourceSlice| {
             if s.spec.driver == self.config.driver_name
                 && let Some(node) = s.spec.node_name.clone()
@@ -508,12 +529,21 @@ impl Placer {
     fn on_claim(&self, event: &watcher::Event<ResourceClaim>) {
         let mut known = self.known();
         match event {
-            watcher::Event::Init => known.shares.relist(),
+            watcher::Event::Init => {
+                known.shares.relist();
+                known.claims.clear();
+            }
             watcher::Event::InitApply(c) | watcher::Event::Apply(c) => {
                 known.shares.observe(c, &self.config.driver_name);
+                if c.status.as_ref().is_none_or(|s| s.allocation.is_none()) {
+                    known.room_freed += 1;
+                }
+                known.claims.insert(claim_key(c), Arc::new(c.clone()));
             }
             watcher::Event::Delete(c) => {
                 known.shares.forget(c.metadata.uid.as_deref().unwrap_or_default());
+                known.claims.remove(&claim_key(c));
+                known.room_freed += 1;
             }
             watcher::Event::InitDone => {}
         }
@@ -534,12 +564,14 @@ impl Placer {
                 } else {
                     known.gated.remove(&uid);
                     known.waiting.remove(&uid);
+                    known.no_room.remove(&uid);
                 }
             }
             watcher::Event::Delete(p) => {
                 let uid = p.metadata.uid.as_deref().unwrap_or_default();
                 known.gated.remove(uid);
                 known.waiting.remove(uid);
+                known.no_room.remove(uid);
             }
             watcher::Event::InitDone => {}
         }
@@ -650,7 +682,12 @@ impl Placer {
         let claims: Api<ResourceClaim> = Api::namespaced(client.clone(), namespace);
         let mut to_place = Vec::new();
         for name in &names {
-            let Some(claim) = claims.get_opt(name).await? else {
+            let cached = self.known().claims.get(&format!("{namespace}/{name}")).cloned();
+            let claim = match cached {
+                Some(claim) => Some((*claim).clone()),
+                None => claims.get_opt(name).await?,
+            };
+            let Some(claim) = claim else {
                 return Ok(Decision::Done(Outcome::Waiting(format!(
                     "claim {name} does not exist yet"
                 ))));
@@ -681,7 +718,7 @@ impl Placer {
         };
         let choice = match self.choose(scorer, pod, need) {
             Ok(choice) => choice,
-            Err(why) => return Ok(Decision::Done(Outcome::Waiting(why))),
+            Err(why) => return Ok(Decision::Done(Outcome::NoRoom(why))),
         };
         let allocation = allocation_result(
             &claim,
@@ -791,6 +828,14 @@ impl Placer {
                 .gated
                 .iter()
                 .filter(|(uid, _)| !known.writing.contains(*uid))
+                // A pod that found no room waits until room is freed (or for RECHECK_EVERY: a GPU
+                // healthy again shows only in the node cache).
+                .filter(|(uid, _)| {
+                    known
+                        .no_room
+                        .get(*uid)
+                        .is_none_or(|(freed, at)| *freed != known.room_freed || at.elapsed() >= RECHECK_EVERY)
+                })
                 .map(|(_, p)| p.clone())
                 .collect()
         };
@@ -810,6 +855,15 @@ impl Placer {
                     self.forget(&uid);
                 }
                 Ok(Decision::Done(Outcome::Waiting(why))) => self.note(&uid, &key, why, false),
+                Ok(Decision::Done(Outcome::NoRoom(why))) => {
+                    let mut known = self.known();
+                    let freed = known.room_freed;
+                    known
+                        .no_room
+                        .insert(uid.clone(), (freed, std::time::Instant::now()));
+                    drop(known);
+                    self.note(&uid, &key, why, false);
+                }
                 Ok(Decision::Write {
                     claim,
                     allocation,
@@ -865,6 +919,7 @@ impl Placer {
     /// Drops a pod the placer is done with (its watch event, with the gate gone, follows).
     fn forget(&self, uid: &str) {
         let mut known = self.known();
+        known.no_room.remove(uid);
         known.gated.remove(uid);
         known.waiting.remove(uid);
     }
