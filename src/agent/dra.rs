@@ -420,13 +420,7 @@ impl DraDriver {
             .and_then(|a| a.devices.as_ref())
             .and_then(|d| d.results.as_deref())
             .ok_or_else(|| format!("ResourceClaim {id} is not allocated"))?;
-        let owner = status
-            .and_then(|s| s.reserved_for.as_ref())
-            .and_then(|r| r.iter().find(|c| c.resource == "pods"))
-            .map_or_else(
-                || format!("{}/claim:{}", claim.namespace, claim.name),
-                |p| format!("{}/{}", claim.namespace, p.name),
-            );
+        let owner = slice::claim_holder(resource);
         let mut devices: Vec<PreparedDevice> = Vec::new();
         for result in results.iter().filter(|r| r.driver == self.driver) {
             if result.pool != self.node {

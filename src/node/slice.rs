@@ -45,6 +45,27 @@ pub fn slice_name(node: &str, driver: &str) -> String {
     format!("{node}-{driver}")
 }
 
+/// Who holds a claim, as the usage annotation lists it: `namespace/pod` of the first pod it is
+/// reserved for, or `namespace/claim:<name>` before any is. The agent writes it, and the scorer's DRA
+/// placement reads it to tell an allocation the annotation already counts from one it does not.
+pub fn claim_holder(claim: &k8s_openapi::api::resource::v1::ResourceClaim) -> String {
+    let namespace = claim.metadata.namespace.as_deref().unwrap_or_default();
+    claim
+        .status
+        .as_ref()
+        .and_then(|s| s.reserved_for.as_ref())
+        .and_then(|r| r.iter().find(|c| c.resource == "pods"))
+        .map_or_else(
+            || {
+                format!(
+                    "{namespace}/claim:{}",
+                    claim.metadata.name.as_deref().unwrap_or_default()
+                )
+            },
+            |p| format!("{namespace}/{}", p.name),
+        )
+}
+
 /// A whole number of MiB as a quantity, in the canonical form the API server stores (`15Gi`,
 /// `15358Mi`), so that what is published compares equal to what is read back.
 pub fn mib_quantity(mib: u64) -> Quantity {

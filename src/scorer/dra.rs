@@ -35,7 +35,7 @@ use super::config::DraPlacementConfig;
 use super::ledger::{self, Reservation};
 use super::state::{self, Demand, NodeSnapshot};
 use crate::lease;
-use crate::node::slice::{MEMORY_CAPACITY, device_index, device_name, mib_quantity};
+use crate::node::slice::{MEMORY_CAPACITY, claim_holder, device_index, device_name, mib_quantity};
 use crate::quantity::Quantity;
 
 /// The scheduling gate that keeps a pod from kube-scheduler until its claim is placed.
@@ -159,21 +159,8 @@ pub fn allocated_shares(claim: &ResourceClaim, driver: &str) -> Vec<AllocatedSha
     else {
         return Vec::new();
     };
-    let namespace = claim.metadata.namespace.as_deref().unwrap_or_default();
-    // The same key the agent's usage annotation gives a prepared claim (agent::dra).
-    let owner = status
-        .reserved_for
-        .as_ref()
-        .and_then(|r| r.iter().find(|c| c.resource == "pods"))
-        .map_or_else(
-            || {
-                format!(
-                    "{namespace}/claim:{}",
-                    claim.metadata.name.as_deref().unwrap_or_default()
-                )
-            },
-            |p| format!("{namespace}/{}", p.name),
-        );
+    // The key the agent's usage annotation gives the claim once prepared.
+    let owner = claim_holder(claim);
     results
         .iter()
         .filter(|r| r.driver == driver)
@@ -216,7 +203,8 @@ pub fn subtract_unshown(node: &mut NodeSnapshot, shares: &[AllocatedShare]) {
 
 /// The memory of a whole GPU as the agent offers it: its whole units.
 fn offered_mib(memory_mib: u64, unit_mib: u64) -> u64 {
-    memory_mib / unit_mib.max(1) * unit_mib.max(1)
+    let unit = unit_mib.max(1);
+    crate::plugin::devices::units_per_gpu(memory_mib, unit) * unit
 }
 
 /// The allocation the scorer writes into `claim`: request `request` gets the GPUs `chosen` (NVML index,

@@ -34,9 +34,13 @@ spec:
 EOF
 }
 
-# claim_template NAME MEMORY: a ResourceClaimTemplate for MEMORY of one GPU ("" : a whole GPU).
+# claim_template NAME MEMORY [CEL]: a ResourceClaimTemplate for MEMORY of one GPU ("" : a whole GPU),
+# narrowed by the CEL selector if given.
 claim_template() {
-  local capacity=""
+  local capacity="" selector=""
+  [ -z "${3:-}" ] || selector="
+            selectors:
+              - cel: {expression: '$3'}"
   [ -z "$2" ] || capacity="
             capacity:
               requests:
@@ -52,7 +56,7 @@ spec:
       requests:
         - name: gpu
           exactly:
-            deviceClassName: gpu.gpumem.io$capacity
+            deviceClassName: gpu.gpumem.io$selector$capacity
 EOF
 }
 

@@ -183,6 +183,15 @@ escape() {
   echo "${got:-0} $reported $(($(rejected_reads) > rejected ? 1 : 0))"
 }
 
+# held_escape COMMAND CHECK MEASURE: COMMAND in the escape pod on $gpu is held at its 1000 MiB and
+# reported as such ("1000 1000 0").
+held_escape() {
+  local r
+  r=$(escape e-esc "$gpu" "$1")
+  expect_eq "$2" "1000 1000 0" "$r"
+  measured "$3" "held ($r)"
+}
+
 scenario_enforce_neighbours() {
   scenario "enforcement: two pods on one GPU at their limits take nothing from each other; a third tries escapes"
   local hold='probe fill alloc 5000 1000 fill alloc 1 1 info wait /tmp/exit; sleep 3600'
@@ -215,21 +224,11 @@ scenario_enforce_neighbours() {
   expect_eq "the container's first process without GPUMEM_LIMIT_MIB: not held (2000 MiB), not reported" "2000 0" "$r"
   measured "escape: PID 1 started without GPUMEM_LIMIT_MIB" "NOT held, NOT reported ($r)"
   delete_pods e-pid1
-  r=$(escape e-esc "$gpu" 'probe fill alloc 2000 100 wait /tmp/go')
-  expect_eq "control (linked program): 1000 MiB, no more; the agent reports 1000" "1000 1000 0" "$r"
-  measured "escape: none (linked program)" "held ($r)"
-  r=$(escape e-esc "$gpu" 'env -u GPUMEM_LIMIT_MIB -u GPUMEM_ACCOUNTING_DIR probe fill alloc 2000 100 wait /tmp/go')
-  expect_eq "GPUMEM_LIMIT_MIB unset (the container's first process has it): held" "1000 1000 0" "$r"
-  measured "escape: unset GPUMEM_LIMIT_MIB in a process" "held ($r)"
-  r=$(escape e-esc "$gpu" 'env -i /usr/local/bin/probe fill alloc 2000 100 wait /tmp/go')
-  expect_eq "a cleared environment (env -i): held" "1000 1000 0" "$r"
-  measured "escape: env -i" "held ($r)"
-  r=$(escape e-esc "$gpu" "PROBE_LIBCUDA=$lib probe-dlsym fill alloc 2000 100 wait /tmp/go")
-  expect_eq "dlopen of the driver by its path: held" "1000 1000 0" "$r"
-  measured "escape: dlopen($lib)" "held ($r)"
-  r=$(escape e-esc "$gpu" 'PROBE_NEXT=1 probe-dlsym fill alloc 2000 100 wait /tmp/go')
-  expect_eq "dlsym(RTLD_NEXT, ...): held" "1000 1000 0" "$r"
-  measured "escape: dlsym(RTLD_NEXT, ...)" "held ($r)"
+  held_escape 'probe fill alloc 2000 100 wait /tmp/go' "control (linked program): 1000 MiB, no more; the agent reports 1000" "escape: none (linked program)"
+  held_escape 'env -u GPUMEM_LIMIT_MIB -u GPUMEM_ACCOUNTING_DIR probe fill alloc 2000 100 wait /tmp/go' "GPUMEM_LIMIT_MIB unset (the container's first process has it): held" "escape: unset GPUMEM_LIMIT_MIB in a process"
+  held_escape 'env -i /usr/local/bin/probe fill alloc 2000 100 wait /tmp/go' "a cleared environment (env -i): held" "escape: env -i"
+  held_escape "PROBE_LIBCUDA=$lib probe-dlsym fill alloc 2000 100 wait /tmp/go" "dlopen of the driver by its path: held" "escape: dlopen($lib)"
+  held_escape 'PROBE_NEXT=1 probe-dlsym fill alloc 2000 100 wait /tmp/go' "dlsym(RTLD_NEXT, ...): held" "escape: dlsym(RTLD_NEXT, ...)"
   r=$(escape e-esc "$gpu" 'probe-static fill alloc 2000 100 wait /tmp/go')
   expect_eq "a statically linked program: no memory, nothing reported" "0 0 0" "$r"
   expect_contains "(the shim is not in it; its dlopen of the driver dies of SIGSEGV)" "exit=139" "$(cat "$RUN_OUT/escape-last.log")"

@@ -23,28 +23,6 @@ claim_uid() { kn get resourceclaim "$(claim_name "$1")" -o 'jsonpath={.metadata.
 is_gated() { [ "$(pod_field "$1" '.status.conditions[?(@.type=="PodScheduled")].reason')" == SchedulingGated ]; }
 scorer_said() { grep -F "$1" "$RUN_OUT/scorer.log" | grep -qF "$2"; }
 
-# A claim whose request narrows the class by a CEL selector: gpumem leaves it to kube-scheduler.
-selector_template() {
-  kn apply -f - > /dev/null <<EOF
-apiVersion: resource.k8s.io/v1
-kind: ResourceClaimTemplate
-metadata:
-  name: $1
-spec:
-  spec:
-    devices:
-      requests:
-        - name: gpu
-          exactly:
-            deviceClassName: gpu.gpumem.io
-            selectors:
-              - cel: {expression: 'device.attributes["gpumem.io"].productName.startsWith("Tesla V100")'}
-            capacity:
-              requests:
-                memory: 2000Mi
-EOF
-}
-
 scenario_dra_placement() {
   scenario "DRA: gpumem places the claims (a scheduling gate, the scorer's allocation), not kube-scheduler's first fit"
   if ! k apply -f "$ROOT/deploy/manifests/base/scorer-dra-rbac.yaml" \
@@ -79,7 +57,8 @@ scenario_dra_placement() {
   expect_eq "the pod waits gated, its claim unallocated" "SchedulingGated/" \
     "$(pod_field pl-big '.status.conditions[?(@.type=="PodScheduled")].reason')/$(claim_device pl-big)"
 
-  selector_template pl-v100
+  # A claim narrowed by a CEL selector: gpumem leaves it to kube-scheduler.
+  claim_template pl-v100 2000Mi 'device.attributes["gpumem.io"].productName.startsWith("Tesla V100")'
   new_claim_pod pl-sel pl-v100
   eventually "a claim with a CEL selector runs, left to kube-scheduler" 60 is_running pl-sel
   scorer_said "left to kube-scheduler" "$NS/pl-sel" && ok "the scorer says it left it to kube-scheduler" ||
