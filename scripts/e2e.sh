@@ -81,6 +81,7 @@ CLAIMS_PID=""
 start_agent() {
   cat > "$RUN_OUT/agent.yaml" <<EOF
 health: {quietPeriodSeconds: $QUIET_PERIOD, probeIntervalSeconds: 1}
+usedReportSeconds: 1
 EOF
   KUBECONFIG=$RUN_OUT/agent.kubeconfig \
     GPUMEM_FAKE_NVML_PROFILE=$PROFILE GPUMEM_FAKE_NVML_INJECT=$RUN_OUT/nvml-inject.toml \

@@ -555,6 +555,92 @@ async fn the_node_shows_its_gpus_and_their_use_through_outages() {
     api.assert_all_granted();
 }
 
+/// What the pods' processes hold (the shim's accounting) reaches the Node as `gpumem.io/gpu-used`, by pod,
+/// under its own field manager, and drops when they free it; nothing is written while nothing moves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_node_shows_what_the_pods_processes_hold() {
+    use gpumem::node::UsedAnnotation;
+    use gpumem_accounting::{Accounting, MAX_DEVICES, UNLIMITED};
+
+    let node = Node::new().await;
+    let api = FakeApiServer::start(node.dir.path()).await;
+    let state = node.dir.path().join("state");
+    let shim = node.dir.path().join("libgpumem_cuda.so");
+    std::fs::write(&shim, b"stand-in").unwrap();
+    let _agent = node.agent_with_api(
+        "t4x4",
+        &api,
+        &[
+            "--mem-unit-mib",
+            "1024",
+            "--memory-limits",
+            "enforce",
+            "--state-dir",
+            state.to_str().unwrap(),
+            "--shim-path",
+            shim.to_str().unwrap(),
+            "--used-report-interval",
+            "1",
+        ],
+    );
+    node.kubelet.wait_registered(MEM, WAIT).await;
+    let response = node.kubelet.allocate(MEM, &refs(&units(2, 0..3))).await.unwrap();
+    node.pods
+        .add_container("ns", "p", "c", MEM, &refs(&units(2, 0..3)));
+    let dir = response
+        .mounts
+        .iter()
+        .find(|m| m.container_path == "/var/run/gpumem")
+        .map(|m| PathBuf::from(&m.host_path))
+        .unwrap();
+    // As the shim leaves it: 1 GiB and a byte held on the container's device, by a process attached.
+    let (accounting, _) = Accounting::open_or_create(&dir, &[UNLIMITED; MAX_DEVICES]).unwrap();
+    assert!(accounting.try_reserve(0, (1 << 30) + 1));
+
+    let used = |api: &FakeApiServer| {
+        let last = api.node_applies_by("node-a", "gpumem-agent-used").pop()?;
+        UsedAnnotation::parse(metadata_maps(&last).1.get("gpumem.io/gpu-used")?).ok()
+    };
+    let holding = api
+        .wait_for("the pod's use on GPU 2", WAIT, |api| {
+            used(api).filter(|u| u.gpus[2].pods.get("ns/p") == Some(&1025))
+        })
+        .await;
+    assert_eq!(holding.gpus[2].used_mib, 1025, "a byte over 1 GiB shows as a MiB");
+    assert!(
+        [0, 1, 3]
+            .iter()
+            .all(|&g| holding.gpus[g].used_mib == 0 && holding.gpus[g].pods.is_empty()),
+        "{holding:?}"
+    );
+    // Its own manager, only that annotation: the GPU picture's applies neither carry nor remove it.
+    for applied in api.node_applies_by("node-a", "gpumem-agent-used") {
+        assert!(applied.query.contains("force=true"), "{}", applied.query);
+        let (labels, annotations) = metadata_maps(&applied);
+        assert!(labels.is_empty());
+        assert_eq!(annotations.keys().collect::<Vec<_>>(), ["gpumem.io/gpu-used"]);
+    }
+    assert!(
+        api.node_applies("node-a")
+            .iter()
+            .all(|a| !metadata_maps(a).1.contains_key("gpumem.io/gpu-used"))
+    );
+    let writes = api.node_applies_by("node-a", "gpumem-agent-used").len();
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    assert_eq!(
+        api.node_applies_by("node-a", "gpumem-agent-used").len(),
+        writes,
+        "nothing moved: nothing written"
+    );
+
+    accounting.release(0, (1 << 30) + 1);
+    api.wait_for("GPU 2 back to nothing held", WAIT, |api| {
+        used(api).filter(|u| u.gpus[2].used_mib == 0 && u.gpus[2].pods.is_empty())
+    })
+    .await;
+    api.assert_all_granted();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_scorers_gpu_choice_is_honoured_while_it_fits() {
     let node = Node::new().await;

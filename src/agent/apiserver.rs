@@ -12,16 +12,22 @@ use kube::api::{ListParams, Patch, PatchParams};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::{Api, Client};
 
+use super::enforcement::Enforcement;
 use super::state::NodeState;
 use crate::node::{
     self, ASSIGNED_AT_ANNOTATION, ASSIGNED_GPUS_ANNOTATION, ROOM_FREED_LABEL, TopologyAnnotation,
-    UsageAnnotation,
+    USED_ANNOTATION, UsageAnnotation, UsedAnnotation,
 };
 use crate::quantity::Quantity;
 
 /// The field manager of everything the agent writes: it owns these labels and annotations, and
 /// nothing else on the Node.
 pub const FIELD_MANAGER: &str = "gpumem-agent";
+/// The field manager of [`USED_ANNOTATION`]: written on its own clock, it must not take the other
+/// annotations out of [`FIELD_MANAGER`]'s applies (server-side apply removes what a manager's apply omits).
+pub const USED_FIELD_MANAGER: &str = "gpumem-agent-used";
+/// How often the accounting is read for [`USED_ANNOTATION`].
+const USED_SAMPLE: Duration = Duration::from_secs(1);
 /// At most one write per this interval, so a burst of pod changes becomes one update.
 const MIN_INTERVAL: Duration = Duration::from_millis(500);
 /// Written again after this long even without a change (someone may have edited it by hand).
@@ -173,6 +179,70 @@ impl ApiServer {
             if tokio::time::timeout(RESYNC, changes.changed()).await.is_err() {
                 written = None;
             }
+        }
+    }
+
+    /// Keeps the Node's [`USED_ANNOTATION`] at what the pods' processes hold: the accounting is read every
+    /// second, and the annotation written when it has moved ([`UsedAnnotation::moved`]), at most once per
+    /// `every` (and again after [`RESYNC`] in any case: someone may have edited it). Until the process ends.
+    pub async fn publish_used(
+        self: Arc<Self>,
+        state: Arc<NodeState>,
+        enforcement: Arc<Enforcement>,
+        every: Duration,
+    ) {
+        let memory_mib = |index| {
+            state
+                .position(index)
+                .map_or(0, |a| state.inventory.gpus[a].memory_mib)
+        };
+        let mut written: Option<(UsedAnnotation, tokio::time::Instant)> = None;
+        let mut backoff = Duration::from_secs(1);
+        loop {
+            let read = {
+                let (state, enforcement) = (Arc::clone(&state), Arc::clone(&enforcement));
+                // Reading files: off the async runtime.
+                tokio::task::spawn_blocking(move || {
+                    UsedAnnotation::new(
+                        &state.inventory,
+                        &enforcement.held(&state.live_allocations()).bytes,
+                    )
+                })
+                .await
+            };
+            let due = |used: &UsedAnnotation| match &written {
+                None => true,
+                Some((last, at)) => {
+                    at.elapsed() >= every && (used.moved(last, memory_mib) || at.elapsed() >= RESYNC)
+                }
+            };
+            if let Ok(used) = read
+                && due(&used)
+            {
+                let patch = serde_json::json!({
+                    "apiVersion": "v1",
+                    "kind": "Node",
+                    "metadata": { "name": self.node, "annotations": { USED_ANNOTATION: used.to_json() } },
+                });
+                let params = PatchParams::apply(USED_FIELD_MANAGER).force();
+                match Api::<Node>::all(self.client.clone())
+                    .patch(&self.node, &params, &Patch::Apply(&patch))
+                    .await
+                {
+                    Ok(_) => {
+                        tracing::debug!(node = %self.node, "published what the pods' processes hold");
+                        written = Some((used, tokio::time::Instant::now()));
+                        backoff = Duration::from_secs(1);
+                    }
+                    Err(err) => {
+                        tracing::warn!(node = %self.node, error = %err, retry_in = ?backoff, "cannot write {USED_ANNOTATION}");
+                        tokio::time::sleep(backoff).await;
+                        backoff = (backoff * 2).min(MAX_BACKOFF);
+                        continue;
+                    }
+                }
+            }
+            tokio::time::sleep(USED_SAMPLE).await;
         }
     }
 

@@ -109,6 +109,9 @@ pub struct AgentConfig {
     pub state_dir: PathBuf,
     /// Host path of libgpumem_cuda.so.
     pub shim_path: PathBuf,
+    /// The Node's `gpumem.io/gpu-used` (what the pods' processes hold) is written at most this often;
+    /// zero: not written.
+    pub used_report_interval: Duration,
 }
 
 impl Default for AgentConfig {
@@ -133,6 +136,7 @@ impl Default for AgentConfig {
             metrics_listen: None,
             state_dir: "/var/lib/gpumem".into(),
             shim_path: "/var/lib/gpumem/lib/libgpumem_cuda.so".into(),
+            used_report_interval: Duration::from_secs(30),
         }
     }
 }
@@ -156,6 +160,7 @@ struct FileConfig {
     memory_limits: Option<MemoryLimits>,
     state_dir: Option<PathBuf>,
     shim_path: Option<PathBuf>,
+    used_report_seconds: Option<u64>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -242,6 +247,10 @@ pub struct AgentArgs {
     /// Host path of libgpumem_cuda.so [default: /var/lib/gpumem/lib/libgpumem_cuda.so].
     #[arg(long, value_name = "PATH")]
     pub shim_path: Option<PathBuf>,
+    /// Seconds between writes of the Node's gpumem.io/gpu-used, what the pods' processes hold; 0: not
+    /// written [default: 30].
+    #[arg(long, value_name = "SECONDS")]
+    pub used_report_interval: Option<u64>,
 }
 
 impl AgentConfig {
@@ -279,6 +288,10 @@ impl AgentConfig {
         }
         set(&mut config.state_dir, args.state_dir.clone());
         set(&mut config.shim_path, args.shim_path.clone());
+        set(
+            &mut config.used_report_interval,
+            args.used_report_interval.map(Duration::from_secs),
+        );
         if args.profile.is_some() {
             config.profile = args.profile.clone();
         }
@@ -341,6 +354,10 @@ impl AgentConfig {
         set(&mut self.memory_limits, file.memory_limits);
         set(&mut self.state_dir, file.state_dir);
         set(&mut self.shim_path, file.shim_path);
+        set(
+            &mut self.used_report_interval,
+            file.used_report_seconds.map(Duration::from_secs),
+        );
         Ok(())
     }
 
@@ -398,7 +415,7 @@ mod tests {
     fn file_then_flags() {
         let (_dir, path) = write(
             "memUnitMiB: 4\nresourceNames:\n  mem: example.com/vram\ndeviceListStrategy: cdi-cri\n\
-             health:\n  ignoredXids: [13]\n  quietPeriodSeconds: 60\n",
+             health:\n  ignoredXids: [13]\n  quietPeriodSeconds: 60\nusedReportSeconds: 0\n",
         );
         let args = AgentArgs {
             config: Some(path),
@@ -412,6 +429,7 @@ mod tests {
         assert_eq!(config.device_list_strategy, DeviceListStrategy::CdiCri);
         assert_eq!(config.ignored_xids, vec![13]);
         assert_eq!(config.health_quiet_period, Duration::from_secs(60));
+        assert!(config.used_report_interval.is_zero(), "0: not written");
     }
 
     #[test]

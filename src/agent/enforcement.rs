@@ -9,7 +9,7 @@
 //!   the kubelet never hands one unit to two live containers, so the name is unique while the
 //!   container lives, and the same name in PodResources tells the agent when it is gone.
 
-use std::collections::{BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
@@ -25,6 +25,24 @@ pub const ACCOUNTING_CONTAINER_DIR: &str = "/var/run/gpumem";
 /// Environment variables the shim reads.
 pub const ACCOUNTING_ENV: &str = "GPUMEM_ACCOUNTING_DIR";
 pub const DEVICE_ORDER_ENV: &str = "CUDA_DEVICE_ORDER";
+
+/// What the pods' processes hold, as the shim counted it ([`Enforcement::held`]).
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Held {
+    /// Bytes, by GPU index and holder (`namespace/name`).
+    pub bytes: BTreeMap<u32, BTreeMap<String, u64>>,
+    /// Why each accounting file refused at this reading was refused.
+    pub refused: Vec<Reason>,
+}
+
+impl Held {
+    /// Bytes held on GPU index `gpu`, all holders together.
+    pub fn on_gpu(&self, gpu: u32) -> u64 {
+        self.bytes
+            .get(&gpu)
+            .map_or(0, |by| by.values().fold(0u64, |a, &b| a.saturating_add(b)))
+    }
+}
 
 #[derive(Debug)]
 pub struct Enforcement {
@@ -170,6 +188,33 @@ impl Enforcement {
         out
     }
 
+    /// Bytes the shim counted in each live allocation (`live`: accounting name → who holds it, as
+    /// [`super::state::NodeState::live_allocations`] gives it), summed by GPU index and holder; and why
+    /// each refused file was refused. A directory of an allocation that is no longer live (its container
+    /// is gone, the directory not yet removed) counts for no one.
+    pub fn held(&self, live: &BTreeMap<String, String>) -> Held {
+        let mut held = Held::default();
+        for (allocation, counted) in self.usage() {
+            match counted {
+                Err(reason) => held.refused.push(reason),
+                Ok(usage) => {
+                    if let (Some(gpu), Some(holder)) =
+                        (Self::gpu_index_of(&allocation), live.get(&allocation))
+                    {
+                        let bytes = held
+                            .bytes
+                            .entry(gpu)
+                            .or_default()
+                            .entry(holder.clone())
+                            .or_default();
+                        *bytes = bytes.saturating_add(usage.total_used());
+                    }
+                }
+            }
+        }
+        held
+    }
+
     fn rejected(&self) -> MutexGuard<'_, HashSet<String>> {
         // A set of names: a panic while it was held cannot leave it inconsistent.
         self.rejected.lock().unwrap_or_else(PoisonError::into_inner)
@@ -221,6 +266,46 @@ mod tests {
         enforcement.forget_all_but(&BTreeSet::from(["g0-u0".to_string()]));
         assert!(!host.exists());
         assert!(dir.path().join("state/containers/g0-u0").is_dir());
+    }
+
+    #[test]
+    fn what_is_held_is_summed_by_gpu_and_pod_for_live_allocations_only() {
+        use gpumem_accounting::{Accounting, MAX_DEVICES, UNLIMITED};
+        let dir = tempfile::tempdir().unwrap();
+        let shim = dir.path().join("libgpumem_cuda.so");
+        std::fs::write(&shim, b"").unwrap();
+        let enforcement = Enforcement::prepare(&dir.path().join("state"), &shim).unwrap();
+        let limits = [UNLIMITED; MAX_DEVICES];
+        let mut attached = Vec::new();
+        for (name, bytes) in [
+            ("g0-u0", 1u64 << 30),
+            ("g0-u9", 5),
+            ("g1-u0", 7),
+            ("g2-cuid-1", 512 << 20),
+        ] {
+            let (mounts, _) = enforcement.container(name).unwrap();
+            let (accounting, _) =
+                Accounting::open_or_create(Path::new(&mounts[2].host_path), &limits).unwrap();
+            assert!(accounting.try_reserve(0, bytes));
+            attached.push(accounting);
+        }
+        let live = BTreeMap::from([
+            ("g0-u0".to_string(), "ns/a".to_string()),
+            ("g0-u9".to_string(), "ns/a".to_string()),
+            ("g2-cuid-1".to_string(), "ns/c".to_string()),
+        ]);
+        let held = enforcement.held(&live);
+        assert_eq!(
+            held.bytes,
+            BTreeMap::from([
+                (0, BTreeMap::from([("ns/a".to_string(), (1 << 30) + 5)])),
+                (2, BTreeMap::from([("ns/c".to_string(), 512 << 20)])),
+            ]),
+            "g1-u0 is not live: it counts for no one"
+        );
+        assert_eq!(held.on_gpu(0), (1 << 30) + 5);
+        assert_eq!(held.on_gpu(1), 0);
+        assert!(held.refused.is_empty());
     }
 
     #[test]

@@ -248,18 +248,11 @@ impl AgentMetrics {
     /// Reads the current picture into the gauges (NVML calls block: run off the async runtime).
     pub fn refresh(&self, state: &NodeState, nvml: Option<&NvmlSource>, enforcement: Option<&Enforcement>) {
         let usage = state.usage();
-        let mut shim_used = vec![0u64; state.inventory.gpus.len()];
-        for (allocation, counted) in enforcement.map(Enforcement::usage).unwrap_or_default() {
-            let counted = match counted {
-                Ok(counted) => counted,
-                Err(reason) => {
-                    self.rejected_accounting(reason);
-                    continue;
-                }
-            };
-            if let Some(a) = Enforcement::gpu_index_of(&allocation).and_then(|i| state.position(i)) {
-                shim_used[a] = shim_used[a].saturating_add(counted.total_used());
-            }
+        let held = enforcement
+            .map(|e| e.held(&state.live_allocations()))
+            .unwrap_or_default();
+        for &reason in &held.refused {
+            self.rejected_accounting(reason);
         }
         for (a, gpu) in state.inventory.gpus.iter().enumerate() {
             let (index, uuid) = (gpu.index.to_string(), gpu.uuid.clone());
@@ -295,7 +288,7 @@ impl AgentMetrics {
             };
             self.memory_used
                 .get_or_create(&shim)
-                .set(i64::try_from(shim_used[a]).unwrap_or(i64::MAX));
+                .set(i64::try_from(held.on_gpu(gpu.index)).unwrap_or(i64::MAX));
             if let Some(reading) = nvml.and_then(|n| n.telemetry(gpu.index).ok()) {
                 let nvml_used = GpuSource {
                     gpu: index.clone(),

@@ -228,6 +228,15 @@ async fn serve(config: AgentConfig) -> anyhow::Result<()> {
     // Published once the picture is whole: on the DRA path, after the prepared claims are back.
     if let Some(api_server) = &api_server {
         tokio::spawn(Arc::clone(api_server).publish(Arc::clone(&state)));
+        if let Some(enforcement) = &enforcement
+            && !config.used_report_interval.is_zero()
+        {
+            tokio::spawn(Arc::clone(api_server).publish_used(
+                Arc::clone(&state),
+                Arc::clone(enforcement),
+                config.used_report_interval,
+            ));
+        }
     }
 
     let mut terminate = signal(SignalKind::terminate())?;
@@ -379,15 +388,7 @@ async fn forget_gone_containers(
 ) {
     loop {
         tokio::time::sleep(every).await;
-        let units = state
-            .live_mem_allocations()
-            .into_iter()
-            .map(|(gpu, unit)| Enforcement::allocation_name(gpu, &[unit]));
-        let claims = state
-            .claimed_memory()
-            .into_iter()
-            .map(|(uid, gpu)| Enforcement::claim_allocation_name(gpu, &uid));
-        let live = units.chain(claims).collect();
+        let live = state.live_allocations().into_keys().collect();
         enforcement.forget_all_but(&live);
     }
 }

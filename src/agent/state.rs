@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::watch;
 
+use super::enforcement::Enforcement;
 use crate::alloc::local::{self, FreeMemory, PairScores};
 use crate::gpu::GpuInventory;
 use crate::node::{ALLOCATING_POD, GpuMode, GpuUsage, UsageAnnotation};
@@ -321,15 +322,34 @@ impl NodeState {
         usage
     }
 
-    /// Every live memory allocation, listed or ours and not yet listed: (GPU index, lowest unit).
-    pub fn live_mem_allocations(&self) -> BTreeSet<(u32, u64)> {
+    /// Every live memory allocation, listed, ours and not yet listed, or a prepared claim's share: its
+    /// accounting name ([`Enforcement::allocation_name`], [`Enforcement::claim_allocation_name`]) and
+    /// who holds it (`namespace/name`, [`ALLOCATING_POD`] until the kubelet lists it).
+    pub fn live_allocations(&self) -> BTreeMap<String, String> {
         let inner = self.lock();
-        let mut live = inner.listed_mem.clone();
+        let mut live = BTreeMap::new();
         for p in &inner.pending {
             if let PendingKind::Units(units) = &p.kind
                 && let Some(&lowest) = units.iter().min()
             {
-                live.insert((self.inventory.gpus[p.gpu].index, lowest));
+                let name = Enforcement::allocation_name(self.inventory.gpus[p.gpu].index, &[lowest]);
+                live.insert(name, ALLOCATING_POD.to_string());
+            }
+        }
+        // Listed after pending: once the kubelet lists an allocation, its pod is known.
+        for &(index, lowest) in &inner.listed_mem {
+            let owner = self
+                .position(index)
+                .and_then(|a| inner.listed[a].units.get(&lowest))
+                .map_or(ALLOCATING_POD, String::as_str);
+            live.insert(Enforcement::allocation_name(index, &[lowest]), owner.to_string());
+        }
+        for (uid, claim) in &inner.claims {
+            for &(a, share) in &claim.shares {
+                if matches!(share, Share::Mib(_)) {
+                    let name = Enforcement::claim_allocation_name(self.inventory.gpus[a].index, uid);
+                    live.insert(name, claim.owner.clone());
+                }
             }
         }
         live
@@ -806,20 +826,6 @@ impl NodeState {
         removed
     }
 
-    /// The prepared claims' memory shares: (claim UID, GPU index).
-    pub fn claimed_memory(&self) -> Vec<(String, u32)> {
-        self.lock()
-            .claims
-            .iter()
-            .flat_map(|(uid, c)| {
-                c.shares
-                    .iter()
-                    .filter(|(_, share)| matches!(share, Share::Mib(_)))
-                    .map(move |&(a, _)| (uid.clone(), self.inventory.gpus[a].index))
-            })
-            .collect()
-    }
-
     /// Position in the inventory of the GPU with NVML index `index`.
     pub fn position(&self, index: u32) -> Option<usize> {
         self.position_of_index.get(index as usize).copied().flatten()
@@ -1025,7 +1031,10 @@ mod tests {
 
         // Our own allocation stays until the kubelet lists it, then the listed picture takes over.
         s.allocate_mem(&ids(0, 0..2)).unwrap();
-        assert_eq!(s.live_mem_allocations(), BTreeSet::from([(0, 0)]));
+        assert_eq!(
+            s.live_allocations(),
+            BTreeMap::from([("g0-u0".to_string(), ALLOCATING_POD.to_string())])
+        );
         s.apply_pod_resources(&ListPodResourcesResponse {
             pod_resources: vec![],
         });
@@ -1037,9 +1046,15 @@ mod tests {
         s.apply_pod_resources(&ListPodResourcesResponse {
             pod_resources: vec![pod("new", "nvidia.com/gpu-mem", ids(0, 0..2))],
         });
+        assert_eq!(
+            s.live_allocations(),
+            BTreeMap::from([("g0-u0".to_string(), "default/new".to_string())]),
+            "listed: its pod is known"
+        );
         s.apply_pod_resources(&ListPodResourcesResponse {
             pod_resources: vec![],
         });
+        assert!(s.live_allocations().is_empty(), "gone");
         assert_eq!(
             s.gpu_usage()[0].mode,
             GpuMode::Free,

@@ -15,6 +15,10 @@ use crate::gpu::{GpuInventory, NvLinkPeer};
 pub const TOPOLOGY_ANNOTATION: &str = "gpumem.io/gpu-topology";
 /// Per-GPU usage (JSON, [`UsageAnnotation`]).
 pub const USAGE_ANNOTATION: &str = "gpumem.io/gpu-usage";
+/// Per-GPU memory the pods' processes really hold, as the shim counts it (JSON, [`UsedAnnotation`]).
+/// Apart from [`USAGE_ANNOTATION`] because it changes as programs run, not as pods come and go: it is
+/// written at most once per report interval, and the scorer neither reads nor waits for it.
+pub const USED_ANNOTATION: &str = "gpumem.io/gpu-used";
 /// On a pod: the GPU(s) the scorer chose at bind time, as comma-separated GPU UUIDs. The agent's
 /// GetPreferredAllocation honours it for a pod bound to its node and not yet allocated; Allocate
 /// never trusts it (the device IDs the kubelet passes decide).
@@ -231,6 +235,109 @@ pub struct GpuUsage {
     pub mode: GpuMode,
     /// `namespace/name` of each pod with an allocation here.
     pub pods: Vec<String>,
+}
+
+/// How far, in percent of a GPU's memory, a figure of [`UsedAnnotation`] moves before it is written again.
+pub const USED_STEP_PERCENT: u64 = 1;
+
+/// `gpumem.io/gpu-used`: what the processes of the pods on each GPU hold, which is at most what
+/// [`UsageAnnotation`] says they were granted.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct UsedAnnotation {
+    pub version: u32,
+    pub gpus: Vec<GpuUsed>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct GpuUsed {
+    pub index: u32,
+    /// All of the GPU's pods together, MiB (rounded up: a byte held shows).
+    #[serde(rename = "usedMiB")]
+    pub used_mib: u64,
+    /// MiB held, by `namespace/name` (each rounded up); only pods that hold some.
+    pub pods: BTreeMap<String, u64>,
+}
+
+impl UsedAnnotation {
+    /// From bytes held per GPU index and pod: every GPU of `inventory` listed, idle ones at 0.
+    pub fn new(inventory: &GpuInventory, held: &BTreeMap<u32, BTreeMap<String, u64>>) -> Self {
+        let mib = |bytes: u64| bytes.div_ceil(1 << 20);
+        let gpus = inventory
+            .gpus
+            .iter()
+            .map(|g| {
+                let pods = held.get(&g.index);
+                let total: u64 = pods.map_or(0, |p| p.values().fold(0u64, |a, &b| a.saturating_add(b)));
+                GpuUsed {
+                    index: g.index,
+                    used_mib: mib(total),
+                    pods: pods
+                        .into_iter()
+                        .flatten()
+                        .filter(|&(_, &bytes)| bytes > 0)
+                        .map(|(pod, &bytes)| (pod.clone(), mib(bytes)))
+                        .collect(),
+                }
+            })
+            .collect();
+        Self {
+            version: ANNOTATION_VERSION,
+            gpus,
+        }
+    }
+
+    /// Parses and checks an annotation someone (or something) wrote, with the bounds of the usage
+    /// annotation.
+    pub fn parse(json: &str) -> Result<Self, AnnotationError> {
+        let key = USED_ANNOTATION;
+        let parsed: Self = parse_versioned(key, json)?;
+        at_most(key, "GPUs", parsed.gpus.len(), MAX_GPUS)?;
+        for gpu in &parsed.gpus {
+            let i = gpu.index;
+            at_most(
+                key,
+                &format!("MiB used on GPU {i}"),
+                gpu.used_mib,
+                MAX_GPU_MEMORY_MIB,
+            )?;
+            at_most(key, &format!("pods on GPU {i}"), gpu.pods.len(), MAX_PODS_PER_GPU)?;
+            if let Some(pod) = gpu.pods.keys().find(|p| p.len() > MAX_POD_KEY_BYTES) {
+                return Err(AnnotationError::Refused {
+                    key,
+                    message: format!(
+                        "a pod on GPU {i} is named in {} bytes, at most {MAX_POD_KEY_BYTES} are accepted",
+                        pod.len()
+                    ),
+                });
+            }
+        }
+        Ok(parsed)
+    }
+
+    /// Whether `self` says something `before` did not: a pod that starts or stops holding memory,
+    /// another set of GPUs, or a figure that moved by [`USED_STEP_PERCENT`] of its GPU's memory or more
+    /// (`memory_mib` by GPU index). Smaller moves are not worth a Node update, which every watcher of
+    /// Nodes receives.
+    pub fn moved(&self, before: &Self, memory_mib: impl Fn(u32) -> u64) -> bool {
+        if self.gpus.len() != before.gpus.len() {
+            return true;
+        }
+        self.gpus.iter().zip(&before.gpus).any(|(now, was)| {
+            let step = (memory_mib(now.index) * USED_STEP_PERCENT / 100).max(1);
+            let far = |a: u64, b: u64| a.abs_diff(b) >= step;
+            now.index != was.index
+                || !now.pods.keys().eq(was.pods.keys())
+                || far(now.used_mib, was.used_mib)
+                || now.pods.values().zip(was.pods.values()).any(|(&a, &b)| far(a, b))
+        })
+    }
+
+    /// As the agent writes it.
+    pub fn to_json(&self) -> String {
+        to_json(self)
+    }
 }
 
 /// Whether the GPUs described by `after` have room those of `before` lacked: a GPU with less allocated, one
@@ -510,6 +617,66 @@ mod tests {
         assert_eq!(get("gpumem.io/pcie-switches"), Some("4"));
         assert_eq!(get("gpumem.io/nvlink"), Some("all-to-all"));
         assert_eq!(get("gpumem.io/mem-unit-mib"), Some("4"));
+    }
+
+    #[test]
+    fn the_used_annotation_rounds_up_lists_every_gpu_and_refuses_hand_edits() {
+        let inv = inventory("t4x4");
+        let held = BTreeMap::from([(
+            1,
+            BTreeMap::from([
+                ("ns/a".to_string(), 3000 << 20),
+                ("ns/b".to_string(), 1),
+                ("ns/idle".to_string(), 0),
+            ]),
+        )]);
+        let used = UsedAnnotation::new(&inv, &held);
+        assert_eq!(used.gpus.len(), 4, "idle GPUs are listed at 0");
+        assert_eq!(used.gpus[0].used_mib, 0);
+        assert_eq!(used.gpus[1].used_mib, 3001, "one byte held shows as a MiB");
+        assert_eq!(
+            used.gpus[1].pods,
+            BTreeMap::from([("ns/a".to_string(), 3000), ("ns/b".to_string(), 1)]),
+            "a pod holding nothing is left out"
+        );
+        let json = used.to_json();
+        assert!(
+            json.contains(r#""usedMiB":3001,"pods":{"ns/a":3000,"ns/b":1}"#),
+            "{json}"
+        );
+        assert_eq!(UsedAnnotation::parse(&json).unwrap(), used);
+
+        let memory = |_| 15360;
+        let mut nudged = used.clone();
+        nudged.gpus[1].used_mib += 100;
+        *nudged.gpus[1].pods.get_mut("ns/a").unwrap() += 100;
+        assert!(!nudged.moved(&used, memory), "100 MiB of 15360 is under the step");
+        nudged.gpus[1].used_mib += 100;
+        assert!(nudged.moved(&used, memory), "200 MiB is over it");
+        let mut left = used.clone();
+        left.gpus[1].pods.remove("ns/b");
+        assert!(
+            left.moved(&used, memory),
+            "a pod that stops holding memory always counts"
+        );
+
+        let unknown = json.replacen("\"usedMiB\"", "\"grantedMiB\":1,\"usedMiB\"", 1);
+        assert!(matches!(
+            UsedAnnotation::parse(&unknown),
+            Err(AnnotationError::Malformed { .. })
+        ));
+        let huge = json.replacen("3001", &(MAX_GPU_MEMORY_MIB + 1).to_string(), 1);
+        let err = UsedAnnotation::parse(&huge).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                AnnotationError::Refused {
+                    key: USED_ANNOTATION,
+                    ..
+                }
+            ),
+            "{err}"
+        );
     }
 
     #[test]

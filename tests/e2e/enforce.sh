@@ -137,6 +137,14 @@ usage_shows() {
     tr -d "(),'")" == "$3" ]
 }
 
+# used_shows POD GPU "MIB POD_MIB": the Node's gpumem.io/gpu-used on GPU: what all its pods' processes
+# hold, and what POD's hold (MiB).
+used_shows() {
+  [ "$(gpu_query "$REAL_NODE" "[(u['usedMiB'], u['pods'].get('$NS/$1', 0)) for u in used if u['index'] == $2][0]" |
+    tr -d "(),")" == "$3" ]
+}
+used_mib() { gpu_query "$REAL_NODE" "[u['usedMiB'] for u in used if u['index'] == $1][0]"; }
+
 scenario_enforce_usage() {
   scenario "enforcement: the agent reports what the container really holds, and the drop when it frees or exits"
   probe_pod e-use 5000 "Tesla T4" \
@@ -150,13 +158,21 @@ scenario_enforce_usage() {
   # 1.34+ kubelet may delay (kubelet_stall).
   eventually "the usage annotation: the pod's 5000 MiB granted on that GPU, the pod named" $((60 + $(kubelet_stall))) \
     usage_shows e-use "$gpu" "5000 True"
+  # What it holds, beside what it was granted: the agent's gpumem.io/gpu-used (written at most every
+  # usedReportSeconds, 1 here; 30 by default).
+  eventually "the Node's gpu-used: the pod's processes hold 4000 MiB on that GPU" 15 used_shows e-use "$gpu" "4000 4000"
+  measured "accounting error in the Node's gpu-used, holding 4000 MiB (bytes)" "$((($(used_mib "$gpu") - 4000) * MIB_BYTES))"
   in_pod e-use 'touch /tmp/free' > /dev/null
   eventually "freed: the metric drops to 0" 15 shim_used_is "$gpu" 0
+  eventually "freed: the Node's gpu-used drops to 0, the pod no longer listed" 15 used_shows e-use "$gpu" "0 0"
   in_pod e-use 'touch /tmp/exit' > /dev/null
   eventually "a new process holds 2000 MiB: the metric says 2000 MiB" 15 shim_used_is "$gpu" $((2000 * MIB_BYTES))
   measured "accounting error, holding 2000 MiB (bytes)" "$(($(shim_used "$gpu") - 2000 * MIB_BYTES))"
+  eventually "the Node's gpu-used says 2000 MiB" 15 used_shows e-use "$gpu" "2000 2000"
+  measured "accounting error in the Node's gpu-used, holding 2000 MiB (bytes)" "$((($(used_mib "$gpu") - 2000) * MIB_BYTES))"
   in_pod e-use 'touch /tmp/exit2' > /dev/null
   eventually "it exits: the metric drops to 0" 15 shim_used_is "$gpu" 0
+  eventually "it exits: the Node's gpu-used drops to 0" 15 used_shows e-use "$gpu" "0 0"
   expect_contains "the program saw what it held" "fill managed held=$((2000 * MIB_BYTES)) rc=0" "$(pod_log e-use)"
   delete_pods e-use
 }
@@ -319,8 +335,10 @@ EOF
   gpu=${device#gpu-}
   eventually "agent metrics: 4000 MiB used on the claim's GPU" 15 shim_used_is "$gpu" $((4000 * MIB_BYTES))
   measured "DRA: accounting error, holding 4000 MiB (bytes)" "$(($(shim_used "$gpu") - 4000 * MIB_BYTES))"
+  eventually "the Node's gpu-used: the claim's pod holds 4000 MiB on that GPU" 30 used_shows d-enf "$gpu" "4000 4000"
   in_pod d-enf 'touch /tmp/free' > /dev/null
   eventually "freed: the metric drops to 0" 15 shim_used_is "$gpu" 0
+  eventually "freed: the Node's gpu-used drops to 0" 15 used_shows d-enf "$gpu" "0 0"
   check_paths d-enf 5000 probe
   check_paths d-enf 5000 probe-procaddr
   in_pod d-enf 'touch /tmp/exit' > /dev/null

@@ -140,7 +140,8 @@ delete_fake_pods() {
 node_json() { k get node "$1" -o json; }
 
 # gpu_query NODE EXPR: evaluates a Python expression over the node's GPUs. In scope: `topo` (the
-# gpumem.io/gpu-topology annotation's gpus), `usage` (gpumem.io/gpu-usage's gpus), `by_uuid`.
+# gpumem.io/gpu-topology annotation's gpus), `usage` (gpumem.io/gpu-usage's gpus), `used`
+# (gpumem.io/gpu-used's gpus: what the pods' processes hold), `by_uuid`.
 gpu_query() {
   node_json "$1" | python3 -c '
 import json, sys
@@ -148,6 +149,7 @@ node = json.load(sys.stdin)
 ann = node["metadata"].get("annotations", {})
 topo = json.loads(ann.get("gpumem.io/gpu-topology", "{\"gpus\": []}"))["gpus"]
 usage = json.loads(ann.get("gpumem.io/gpu-usage", "{\"gpus\": []}"))["gpus"]
+used = json.loads(ann.get("gpumem.io/gpu-used", "{\"gpus\": []}"))["gpus"]
 by_uuid = {g["uuid"]: g for g in topo}
 result = eval(sys.argv[1])
 print(result if not isinstance(result, (list, tuple)) else " ".join(map(str, result)))

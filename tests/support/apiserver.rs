@@ -315,12 +315,19 @@ impl FakeApiServer {
         self.lock().requests.clone()
     }
 
-    /// The server-side apply patches of Node `name`, oldest first.
+    /// The agent's server-side apply patches of Node `name` (labels and the GPU picture), oldest first.
     pub fn node_applies(&self, name: &str) -> Vec<Recorded> {
+        self.node_applies_by(name, "gpumem-agent")
+    }
+
+    /// The server-side apply patches of Node `name` by field manager `manager`, oldest first.
+    pub fn node_applies_by(&self, name: &str, manager: &str) -> Vec<Recorded> {
         let path = format!("/api/v1/nodes/{name}");
+        let field_manager = format!("fieldManager={manager}");
         self.requests()
             .into_iter()
             .filter(|r| r.method == "PATCH" && r.path == path)
+            .filter(|r| r.query.split('&').any(|p| p == field_manager))
             .collect()
     }
 
