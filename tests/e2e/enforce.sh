@@ -161,7 +161,7 @@ scenario_enforce_usage() {
   # What it holds, beside what it was granted: the agent's gpumem.io/gpu-used (written at most every
   # usedReportSeconds, 1 here; 30 by default).
   eventually "the Node's gpu-used: the pod's processes hold 4000 MiB on that GPU" 15 used_shows e-use "$gpu" "4000 4000"
-  measured "accounting error in the Node's gpu-used, holding 4000 MiB (bytes)" "$((($(used_mib "$gpu") - 4000) * MIB_BYTES))"
+  measured "gpu-used annotation error, 4000 MiB (bytes)" "$((($(used_mib "$gpu") - 4000) * MIB_BYTES))"
   in_pod e-use 'touch /tmp/free' > /dev/null
   eventually "freed: the metric drops to 0" 15 shim_used_is "$gpu" 0
   eventually "freed: the Node's gpu-used drops to 0, the pod no longer listed" 15 used_shows e-use "$gpu" "0 0"
@@ -169,7 +169,7 @@ scenario_enforce_usage() {
   eventually "a new process holds 2000 MiB: the metric says 2000 MiB" 15 shim_used_is "$gpu" $((2000 * MIB_BYTES))
   measured "accounting error, holding 2000 MiB (bytes)" "$(($(shim_used "$gpu") - 2000 * MIB_BYTES))"
   eventually "the Node's gpu-used says 2000 MiB" 15 used_shows e-use "$gpu" "2000 2000"
-  measured "accounting error in the Node's gpu-used, holding 2000 MiB (bytes)" "$((($(used_mib "$gpu") - 2000) * MIB_BYTES))"
+  measured "gpu-used annotation error, 2000 MiB (bytes)" "$((($(used_mib "$gpu") - 2000) * MIB_BYTES))"
   in_pod e-use 'touch /tmp/exit2' > /dev/null
   eventually "it exits: the metric drops to 0" 15 shim_used_is "$gpu" 0
   eventually "it exits: the Node's gpu-used drops to 0" 15 used_shows e-use "$gpu" "0 0"
