@@ -269,6 +269,75 @@ pub fn is_gated(pod: &Pod, gate: &str) -> bool {
         .is_some_and(|g| g.iter().any(|g| g.name == gate))
 }
 
+/// How long kube-scheduler may find a pod unschedulable, with a claim gpumem placed, before the claim is
+/// given back to it: the node gpumem chose does not take the pod (its selector, affinity, a taint, the
+/// node's CPU), and waiting on for that node could be for good.
+pub const GIVE_BACK_AFTER: Duration = Duration::from_secs(30);
+
+/// Whether gpumem wrote `claim`'s allocation: each of `driver`'s results carries the claim's UID as its
+/// share ID ([`allocation_result`]); kube-scheduler's allocator makes up a fresh one.
+pub fn placed_by_gpumem(claim: &ResourceClaim, driver: &str) -> bool {
+    let uid = claim.metadata.uid.as_deref();
+    let results = claim
+        .status
+        .as_ref()
+        .and_then(|s| s.allocation.as_ref())
+        .and_then(|a| a.devices.as_ref())
+        .and_then(|d| d.results.as_ref());
+    let mine: Vec<_> = results
+        .into_iter()
+        .flatten()
+        .filter(|r| r.driver == driver)
+        .collect();
+    uid.is_some() && !mine.is_empty() && mine.iter().all(|r| r.share_id.as_deref() == uid)
+}
+
+/// Whether kube-scheduler has found `pod` unschedulable (its `PodScheduled` condition False, reason
+/// `Unschedulable`) and it is neither bound nor going. The condition's transition time cannot tell since
+/// when: it stays at the time the pod was gated (False either way).
+pub fn is_unschedulable(pod: &Pod) -> bool {
+    let unbound =
+        pod.metadata.deletion_timestamp.is_none() && pod.spec.as_ref().is_some_and(|s| s.node_name.is_none());
+    let condition = pod
+        .status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .and_then(|c| c.iter().find(|c| c.type_ == "PodScheduled"));
+    unbound && condition.is_some_and(|c| c.status == "False" && c.reason.as_deref() == Some("Unschedulable"))
+}
+
+/// The claims of `pod` (by `namespace/name`) to give back to kube-scheduler, the pod having been seen
+/// unschedulable for `waited`: those gpumem placed and no pod has reserved yet, once `waited` reaches
+/// [`GIVE_BACK_AFTER`]. Deallocated, they are allocated by kube-scheduler's own allocator, on a node the
+/// pod can go to.
+pub fn claims_to_give_back(
+    pod: &Pod,
+    claims: &HashMap<String, Arc<ResourceClaim>>,
+    driver: &str,
+    gate: &str,
+    waited: Duration,
+) -> Vec<String> {
+    if !is_unschedulable(pod) || is_gated(pod, gate) || waited < GIVE_BACK_AFTER {
+        return Vec::new();
+    }
+    let namespace = pod.metadata.namespace.as_deref().unwrap_or("default");
+    claim_names(pod)
+        .into_iter()
+        .flatten()
+        .map(|name| format!("{namespace}/{name}"))
+        .filter(|key| {
+            claims.get(key).is_some_and(|c| {
+                let reserved = c
+                    .status
+                    .as_ref()
+                    .and_then(|s| s.reserved_for.as_ref())
+                    .is_some_and(|r| !r.is_empty());
+                !reserved && placed_by_gpumem(c, driver)
+            })
+        })
+        .collect()
+}
+
 /// The names of `pod`'s ResourceClaims, in its order; `None` while one made from a template is not
 /// created yet (the resource claim controller records it in the pod's status).
 pub fn claim_names(pod: &Pod) -> Option<Vec<String>> {
@@ -373,6 +442,9 @@ struct Known {
     writing: HashSet<String>,
     /// Gated pods by UID.
     gated: HashMap<String, Pod>,
+    /// Released pods kube-scheduler found unschedulable, by UID, and since when this replica has seen
+    /// them so: their claims may have to be given back ([`claims_to_give_back`]).
+    unschedulable: HashMap<String, (Pod, std::time::Instant)>,
     /// The last reason each pod was not placed, so an unchanged one is not logged again.
     waiting: HashMap<String, String>,
 }
@@ -544,9 +616,21 @@ impl Placer {
         let gate = &self.config.scheduling_gate;
         let mut known = self.known();
         match event {
-            watcher::Event::Init => known.gated.clear(),
+            watcher::Event::Init => {
+                known.gated.clear();
+                known.unschedulable.clear();
+            }
             watcher::Event::InitApply(p) | watcher::Event::Apply(p) => {
                 let uid = p.metadata.uid.clone().unwrap_or_default();
+                if is_unschedulable(p) && !is_gated(p, gate) {
+                    let seen = known
+                        .unschedulable
+                        .get(&uid)
+                        .map_or_else(std::time::Instant::now, |(_, at)| *at);
+                    known.unschedulable.insert(uid.clone(), (p.clone(), seen));
+                } else {
+                    known.unschedulable.remove(&uid);
+                }
                 if is_gated(p, gate) && p.metadata.deletion_timestamp.is_none() {
                     known.gated.insert(uid, p.clone());
                 } else {
@@ -557,6 +641,7 @@ impl Placer {
             }
             watcher::Event::Delete(p) => {
                 let uid = p.metadata.uid.as_deref().unwrap_or_default();
+                known.unschedulable.remove(uid);
                 known.gated.remove(uid);
                 known.waiting.remove(uid);
                 known.no_room.remove(uid);
@@ -807,6 +892,56 @@ impl Placer {
         }
     }
 
+    /// Gives back to kube-scheduler the claims of pods it cannot schedule where gpumem put them
+    /// ([`claims_to_give_back`]): the allocation is removed (with the resourceVersion read, so a pod that
+    /// reserved the claim meanwhile keeps it), and kube-scheduler allocates the claim itself.
+    async fn give_back(&self, client: &Client) {
+        let due: Vec<(String, Arc<ResourceClaim>)> = {
+            let known = self.known();
+            let (driver, gate) = (&self.config.driver_name, &self.config.scheduling_gate);
+            known
+                .unschedulable
+                .values()
+                .flat_map(|(pod, seen)| {
+                    claims_to_give_back(pod, &known.claims, driver, gate, seen.elapsed())
+                        .into_iter()
+                        .map(move |key| (pod_key(pod), key))
+                })
+                .filter_map(|(pod, key)| Some((pod, Arc::clone(known.claims.get(&key)?))))
+                .collect()
+        };
+        for (pod, claim) in due {
+            let mut claim = (*claim).clone();
+            let namespace = claim.metadata.namespace.clone().unwrap_or_default();
+            let name = claim.metadata.name.clone().unwrap_or_default();
+            let node = claim
+                .status
+                .as_ref()
+                .and_then(|s| s.allocation.as_ref())
+                .and_then(|a| a.devices.as_ref())
+                .and_then(|d| d.results.as_ref())
+                .and_then(|r| r.first())
+                .map(|r| r.pool.clone())
+                .unwrap_or_default();
+            if let Some(status) = claim.status.as_mut() {
+                status.allocation = None;
+            }
+            let claims: Api<ResourceClaim> = Api::namespaced(client.clone(), &namespace);
+            match claims.replace_status(&name, &PostParams::default(), &claim).await {
+                Ok(_) => tracing::warn!(
+                    %pod, claim = %name, %node,
+                    "kube-scheduler cannot schedule the pod on the node its claim was placed on (see the \
+                     pod's events): the claim is given back, kube-scheduler allocates it itself"
+                ),
+                // Changed meanwhile (reserved, deallocated, deleted): the next round reads it again.
+                Err(kube::Error::Api(s)) if s.code == 409 || s.code == 404 => {}
+                Err(e) => {
+                    tracing::warn!(%pod, claim = %name, "cannot give the claim back: {}", api_failure(e))
+                }
+            }
+        }
+    }
+
     /// Decides for every gated pod, oldest first; the writes go on beside the next decisions (at most
     /// [`WRITES_IN_FLIGHT`] at once).
     async fn round(self: &Arc<Self>, scorer: &Arc<Scorer>, client: &Client) {
@@ -916,6 +1051,7 @@ impl Placer {
     async fn lead(self: &Arc<Self>, scorer: &Arc<Scorer>, client: &Client) {
         loop {
             self.round(scorer, client).await;
+            self.give_back(client).await;
             tokio::select! {
                 () = self.changed.notified() => {}
                 () = tokio::time::sleep(RETRY_EVERY) => {}
@@ -1181,6 +1317,90 @@ mod tests {
         );
         subtract_unshown(&mut shown, &[share(0, Some(5000), "ns/a")]);
         assert_eq!(shown.gpus()[0].allocated_mib, 5000);
+    }
+
+    #[test]
+    fn claims_placed_where_the_pod_cannot_go_are_given_back_after_a_while() {
+        let mut placed = claim(memory("5000Mi"));
+        placed.status = Some(ResourceClaimStatus {
+            allocation: Some(allocation_result(
+                &placed,
+                "gpumem.io",
+                "gpu",
+                "node-1",
+                &[(2, 5000)],
+            )),
+            ..Default::default()
+        });
+        assert!(placed_by_gpumem(&placed, "gpumem.io"));
+        assert!(
+            !placed_by_gpumem(&placed, "other.driver"),
+            "no result of that driver"
+        );
+        let mut by_kube = placed.clone();
+        if let Some(r) = by_kube
+            .status
+            .as_mut()
+            .and_then(|s| s.allocation.as_mut())
+            .and_then(|a| a.devices.as_mut())
+            .and_then(|d| d.results.as_mut())
+        {
+            r[0].share_id = Some("a-share-kube-scheduler-made".into());
+        }
+        assert!(!placed_by_gpumem(&by_kube, "gpumem.io"));
+
+        let since = "2026-12-03T10:00:00Z";
+        let pod = |scheduled: serde_json::Value| -> Pod {
+            serde_json::from_value(serde_json::json!({
+                "metadata": {"name": "p", "namespace": "ns", "uid": "pod-uid"},
+                "spec": {"containers": [], "resourceClaims": [{"name": "gpu", "resourceClaimName": "c"}]},
+                "status": {"conditions": [scheduled]}
+            }))
+            .unwrap_or_default()
+        };
+        let stuck = pod(serde_json::json!({
+            "type": "PodScheduled", "status": "False", "reason": "Unschedulable", "lastTransitionTime": since
+        }));
+        let claims = HashMap::from([("ns/c".to_string(), Arc::new(placed.clone()))]);
+        let give_back = |p: &Pod, claims: &HashMap<String, Arc<ResourceClaim>>, secs| {
+            claims_to_give_back(p, claims, "gpumem.io", PLACEMENT_GATE, Duration::from_secs(secs))
+        };
+        assert!(is_unschedulable(&stuck));
+        assert!(give_back(&stuck, &claims, 29).is_empty(), "not yet");
+        assert_eq!(give_back(&stuck, &claims, 30), vec!["ns/c".to_string()]);
+
+        let kube = HashMap::from([("ns/c".to_string(), Arc::new(by_kube))]);
+        assert!(give_back(&stuck, &kube, 3600).is_empty(), "kube-scheduler's own");
+        let mut reserved = placed.clone();
+        if let Some(s) = reserved.status.as_mut() {
+            s.reserved_for = Some(vec![ResourceClaimConsumerReference {
+                resource: "pods".into(),
+                name: "p".into(),
+                uid: "pod-uid".into(),
+                ..Default::default()
+            }]);
+        }
+        let reserved = HashMap::from([("ns/c".to_string(), Arc::new(reserved))]);
+        assert!(give_back(&stuck, &reserved, 3600).is_empty(), "a pod holds it");
+        let mut gated = stuck.clone();
+        if let Some(spec) = gated.spec.as_mut() {
+            spec.scheduling_gates = Some(vec![k8s_openapi::api::core::v1::PodSchedulingGate {
+                name: PLACEMENT_GATE.into(),
+            }]);
+        }
+        assert!(
+            give_back(&gated, &claims, 3600).is_empty(),
+            "still gpumem's to place"
+        );
+        let waiting = pod(serde_json::json!({
+            "type": "PodScheduled", "status": "False", "reason": "SchedulingGated", "lastTransitionTime": since
+        }));
+        assert!(!is_unschedulable(&waiting));
+        let mut bound = stuck.clone();
+        if let Some(spec) = bound.spec.as_mut() {
+            spec.node_name = Some("node-1".into());
+        }
+        assert!(!is_unschedulable(&bound));
     }
 
     #[test]

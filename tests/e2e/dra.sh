@@ -19,7 +19,7 @@ metadata:
   name: $1
 spec:
   terminationGracePeriodSeconds: 1
-  nodeSelector: {kubernetes.io/hostname: $REAL_NODE}
+  nodeSelector: {kubernetes.io/hostname: ${3:-$REAL_NODE}}
   resourceClaims:
     - name: gpu
       resourceClaimTemplateName: $2

@@ -21,6 +21,8 @@ placement_leading() { curl -s "http://$SCORER_ADDR/metrics" | grep -q '^gpumem_s
 claim_share_id() { claim_result "$1" shareID; }
 claim_uid() { kn get resourceclaim "$(claim_name "$1")" -o 'jsonpath={.metadata.uid}' 2> /dev/null; }
 is_gated() { [ "$(pod_field "$1" '.status.conditions[?(@.type=="PodScheduled")].reason')" == SchedulingGated ]; }
+pod_unschedulable() { [ "$(pod_field "$1" '.status.conditions[?(@.type=="PodScheduled")].reason')" == Unschedulable ]; }
+given_back() { [ -z "$(claim_device "$1")" ] && pod_unschedulable "$1"; }
 scorer_said() { grep -F "$1" "$RUN_OUT/scorer.log" | grep -qF "$2"; }
 
 scenario_dra_placement() {
@@ -67,7 +69,17 @@ scenario_dra_placement() {
   expect_ne "its share is not the claim's UID (kube-scheduler's own)" "$(claim_uid pl-sel)" "$(claim_share_id pl-sel)"
   expect_eq "kube-scheduler counts gpumem's allocations: gpu-2 holds 10000" 10000 "$(gpu_mib 2)"
 
-  delete_pods pl-a pl-b pl-big pl-sel
+  # A pod that may not go where gpumem puts its claim (its node selector names no node; gpumem's placement
+  # does not read selectors): kube-scheduler finds it unschedulable, and after 30 s the scorer gives the
+  # claim back to kube-scheduler's own allocator, rather than leave the pod pinned to that node for good.
+  new_claim_pod pl-nowhere pl-5000mi nowhere
+  eventually "a pod whose node selector names no node: its claim placed, kube-scheduler finds it unschedulable" 60 \
+    pod_unschedulable pl-nowhere
+  expect_eq "the claim is gpumem's (its share is the claim's UID)" "$(claim_uid pl-nowhere)" "$(claim_share_id pl-nowhere)"
+  eventually "after 30 s unschedulable the scorer gives the claim back" 90 \
+    scorer_said "the claim is given back, kube-scheduler allocates it itself" "$NS/pl-nowhere"
+  eventually "the claim unallocated, the pod Pending for kube-scheduler's own reason" 30 given_back pl-nowhere
+  delete_pods pl-a pl-b pl-big pl-sel pl-nowhere
   eventually "the pods' claims are gone" 60 no_claims
   wait_dra_idle
 
