@@ -21,7 +21,6 @@ placement_leading() { curl -s "http://$SCORER_ADDR/metrics" | grep -q '^gpumem_s
 claim_share_id() { claim_result "$1" shareID; }
 claim_uid() { kn get resourceclaim "$(claim_name "$1")" -o 'jsonpath={.metadata.uid}' 2> /dev/null; }
 is_gated() { [ "$(pod_field "$1" '.status.conditions[?(@.type=="PodScheduled")].reason')" == SchedulingGated ]; }
-allocated_is() { [ "$(gpu_allocated "$REAL_NODE")" == "$1" ]; }
 pod_unschedulable() { [ "$(pod_field "$1" '.status.conditions[?(@.type=="PodScheduled")].reason')" == Unschedulable ]; }
 given_back() { [ -z "$(claim_device "$1")" ] && pod_unschedulable "$1"; }
 scorer_said() { grep -F "$1" "$RUN_OUT/scorer.log" | grep -qF "$2"; }
