@@ -128,6 +128,8 @@ fn default_values_render_the_expected_typed_objects() {
         "ServiceAccount/\"gpumem-scorer\"",
         "ClusterRole/\"gpumem-scorer\"",
         "ClusterRoleBinding/\"gpumem-scorer\"",
+        "Role/\"gpumem-scorer-bookings\"",
+        "RoleBinding/\"gpumem-scorer-bookings\"",
         "ClusterRole/\"gpumem-scorer-dra\"",
         "ClusterRoleBinding/\"gpumem-scorer-dra\"",
         "Role/\"gpumem-scorer-lease\"",

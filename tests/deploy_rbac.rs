@@ -125,7 +125,11 @@ fn check(docs: &[Json], what: &str) {
     let scheduler_there = docs
         .iter()
         .any(|d| d["kind"] == "Deployment" && d["metadata"]["name"] == "gpumem-scheduler");
-    let mut leases = vec!["gpumem-claims-lease", "gpumem-scorer-lease"];
+    let mut leases = vec![
+        "gpumem-claims-lease",
+        "gpumem-scorer-lease",
+        "gpumem-scorer-bookings",
+    ];
     if scheduler_there {
         leases.push("gpumem-scheduler-lease");
     }
@@ -142,6 +146,20 @@ fn check(docs: &[Json], what: &str) {
             "coordination.k8s.io/leases:create",
             "coordination.k8s.io/leases[gpumem-dra-placement]:get",
             "coordination.k8s.io/leases[gpumem-dra-placement]:update",
+        ]),
+        "{what}"
+    );
+    // The scorer's bookings: one Lease per node, named after it, so no resourceNames.
+    let bookings = roles
+        .iter()
+        .find(|r| r.metadata.name.as_deref() == Some("gpumem-scorer-bookings"))
+        .unwrap();
+    assert_eq!(
+        rbac_triples(bookings.rules.as_deref().unwrap()),
+        set(&[
+            "coordination.k8s.io/leases:create",
+            "coordination.k8s.io/leases:get",
+            "coordination.k8s.io/leases:update",
         ]),
         "{what}"
     );

@@ -42,12 +42,36 @@ async fn bind_creates_one_binding_that_carries_the_gpu_choice() {
     assert_eq!(r, json!({"Error": ""}));
     let seen = api.seen();
     let writes: Vec<&Seen> = seen.iter().filter(|s| s.method != "GET").collect();
-    assert_eq!(writes.len(), 1, "one write per bind: {seen:?}");
-    let read = seen.iter().find(|s| s.method == "GET").expect("the pod is read");
+    assert_eq!(
+        writes.len(),
+        2,
+        "two writes per bind, the booking and the Binding: {seen:?}"
+    );
+    let read = seen
+        .iter()
+        .find(|s| s.method == "GET" && s.path.contains("/pods/"))
+        .expect("the pod is read");
     assert!(
         read.query.contains("resourceVersion=0"),
         "read from the API server's cache: {read:?}"
     );
+    // The booking comes first: another replica sees the GPU taken before the pod is bound.
+    assert_eq!(writes[0].method, "POST");
+    assert_eq!(
+        writes[0].path,
+        "/apis/coordination.k8s.io/v1/namespaces/gpumem-system/leases"
+    );
+    assert_eq!(writes[0].body["metadata"]["name"], "gpumem-bookings-one-big");
+    let booked: Value = serde_json::from_str(
+        writes[0].body["metadata"]["annotations"]["gpumem.io/bookings"]
+            .as_str()
+            .expect("bookings"),
+    )
+    .expect("JSON");
+    assert_eq!(booked[0]["pod"], "team-a/infer-0");
+    assert_eq!(booked[0]["gpus"], json!(["GPU-big-0"]));
+    assert_eq!(booked[0]["mib"], 5000);
+    let writes = &writes[1..];
     assert_eq!(writes[0].method, "POST");
     assert_eq!(writes[0].path, "/api/v1/namespaces/team-a/pods/infer-0/binding");
     assert_eq!(
@@ -126,7 +150,7 @@ async fn bind_uses_the_policy_choice_of_gpu() {
     let binding = api
         .seen()
         .into_iter()
-        .find(|s| s.method == "POST")
+        .find(|s| s.method == "POST" && s.path.ends_with("/binding"))
         .expect("bound");
     assert_eq!(
         binding.body["metadata"]["annotations"]["gpumem.io/assigned-gpus"],
@@ -159,7 +183,11 @@ async fn concurrent_binds_never_double_book_a_gpu() {
         refused.contains("largest free GPU has 2000 MiB, pod needs 5000 MiB"),
         "{refused}"
     );
-    let bindings = api.seen().iter().filter(|s| s.method == "POST").count();
+    let bindings = api
+        .seen()
+        .iter()
+        .filter(|s| s.method == "POST" && s.path.ends_with("/binding"))
+        .count();
     assert_eq!(bindings, 1, "the loser never creates a Binding");
     assert_eq!(scorer.ledger.len(), 1);
 
@@ -343,6 +371,8 @@ fn bound_by_another_replica(age_secs: i64) -> Pod {
 
 #[tokio::test]
 async fn binds_of_other_replicas_count_until_the_annotation_shows_them() {
+    // Filter and bind count them alike: a filter that did not would pass the node, and kube-scheduler's
+    // bind would fail there, pod after pod, until the agent's next report.
     for (age, expect_refused) in [(5, true), (100_000, false)] {
         // GPU 0 has 6000 MiB free, GPU 1 2000: another replica just put a 5000 MiB pod on GPU 0.
         let node = node_json("n", &[g(16384, 10384), g(16384, 14384)]);
@@ -358,6 +388,18 @@ async fn binds_of_other_replicas_count_until_the_annotation_shows_them() {
             Some(pods),
         ))
         .await;
+        let pod = pod_json("p1", 5000, 0, json!({}), json!({}));
+        let (status, r) = post_json(addr, "/filter", &args_nodes(&pod, std::slice::from_ref(&node))).await;
+        assert_eq!(status, 200, "{r}");
+        let reason = r["FailedNodes"]["n"].as_str().unwrap_or_default();
+        if expect_refused {
+            assert!(
+                reason.contains("largest free GPU has 2000 MiB, pod needs 5000 MiB"),
+                "filter: {r}"
+            );
+        } else {
+            assert_eq!(reason, "", "filter: {r}");
+        }
         let (_, r) = post_json(addr, "/bind", &bind_args("p1", "n")).await;
         let error = r["Error"].as_str().expect("Error");
         if expect_refused {
@@ -433,6 +475,7 @@ async fn the_scorers_role_grants_exactly_what_it_uses() {
     // Added after the list, and the watch stays quiet: a cache miss.
     api.add_node(&node_json("late", &[g(16384, 0)]));
     api.add_pod(&pod_json("new", 5000, 0, json!({}), json!({})));
+    api.add_pod(&pod_json("new-2", 5000, 0, json!({}), json!({})));
     let scorer = Scorer::new(
         ScorerConfig::default(),
         Some(client),
@@ -441,6 +484,9 @@ async fn the_scorers_role_grants_exactly_what_it_uses() {
     );
     let (addr, _) = start(scorer).await;
     let (_, r) = post_json(addr, "/bind", &bind_args("new", "late")).await;
+    assert_eq!(r["Error"], "", "{r}");
+    // A second bind on the node updates its bookings' Lease.
+    let (_, r) = post_json(addr, "/bind", &bind_args("new-2", "late")).await;
     assert_eq!(r["Error"], "", "{r}");
     let args = json!({
         "Pod": pod_json("big", 5000, 0, json!({}), json!({})),
@@ -629,4 +675,146 @@ async fn bind_refuses_what_kube_scheduler_would_never_ask_for() {
         assert!(text.contains(&series), "{series} in:\n{text}");
     }
     api.assert_all_granted();
+}
+
+/// Two replicas that share nothing but the API server (no pod cache: neither sees the other's
+/// Binding), binding at once onto one node: `n1` and `n2` (MiB free on its GPUs), pods of 5000 MiB.
+async fn two_replicas_bind_at_once(
+    free: &[u64],
+    shared: bool,
+) -> (Vec<String>, Arc<FakeApi>, [Arc<Scorer>; 2]) {
+    let gpus: Vec<G> = free.iter().map(|f| g(16384, 16384 - f)).collect();
+    let api = Arc::new(FakeApi::default());
+    api.add_node(&node_json("n", &gpus));
+    api.add_pod(&pod_json("p1", 5000, 0, json!({}), json!({})));
+    api.add_pod(&pod_json("p2", 5000, 0, json!({}), json!({})));
+    // Both read the node's bookings before either writes.
+    *api.lease_get_delay.lock().expect("lock") = Duration::from_millis(200);
+    let config = ScorerConfig {
+        shared_bookings: shared,
+        ..ScorerConfig::default()
+    };
+    let (a, sa) = start(Scorer::new(
+        config.clone(),
+        Some(fake_api(api.clone()).await),
+        None,
+        None,
+    ))
+    .await;
+    let (b, sb) = start(Scorer::new(config, Some(fake_api(api.clone()).await), None, None)).await;
+    let (args1, args2) = (bind_args("p1", "n"), bind_args("p2", "n"));
+    let (ra, rb) = tokio::join!(post_json(a, "/bind", &args1), post_json(b, "/bind", &args2));
+    let errors = [ra.1, rb.1]
+        .iter()
+        .map(|r| r["Error"].as_str().expect("Error").to_string())
+        .collect();
+    (errors, api, [sa, sb])
+}
+
+fn assigned(api: &FakeApi, pod: &str) -> Option<String> {
+    let pod = api.pod(&format!("team-a/{pod}"))?;
+    pod["spec"]["nodeName"].as_str()?;
+    pod["metadata"]["annotations"]["gpumem.io/assigned-gpus"]
+        .as_str()
+        .map(String::from)
+}
+
+#[tokio::test]
+async fn two_replicas_never_promise_the_same_room() {
+    // GPU 0: 6000 MiB free, GPU 1: 5500. Each replica alone picks the same GPU for its pod; the
+    // booking that loses chooses again, against the one that won.
+    let (errors, api, scorers) = two_replicas_bind_at_once(&[6000, 5500], true).await;
+    assert_eq!(errors, ["", ""], "both bind");
+    let (g1, g2) = (
+        assigned(&api, "p1").expect("p1 bound"),
+        assigned(&api, "p2").expect("p2 bound"),
+    );
+    assert_ne!(g1, g2, "never the same GPU");
+    let conflicts: u64 = scorers.iter().map(|s| s.metrics.booking_conflicts.get()).sum();
+    assert_eq!(conflicts, 1, "one booking lost and was chosen again");
+    let lease = api
+        .lease("gpumem-system/gpumem-bookings-n")
+        .expect("the node's bookings");
+    let booked = lease["metadata"]["annotations"]["gpumem.io/bookings"]
+        .as_str()
+        .expect("bookings");
+    assert!(
+        booked.contains("team-a/p1") && booked.contains("team-a/p2"),
+        "{booked}"
+    );
+    api.assert_all_granted();
+
+    // Room for one only: the loser is refused (kube-scheduler tries it again) and creates no Binding.
+    let (errors, api, _) = two_replicas_bind_at_once(&[6000, 3000], true).await;
+    let refused: Vec<&String> = errors.iter().filter(|e| !e.is_empty()).collect();
+    assert_eq!(refused.len(), 1, "{errors:?}");
+    assert!(refused[0].contains("pod needs 5000 MiB"), "{refused:?}");
+    let bound = ["p1", "p2"]
+        .iter()
+        .filter(|p| assigned(&api, p).is_some())
+        .count();
+    assert_eq!(bound, 1);
+}
+
+#[tokio::test]
+async fn without_shared_bookings_two_replicas_can_promise_the_same_room() {
+    // What the bookings prevent, and what a single replica may choose to risk (`sharedBookings: false`):
+    // both replicas promise GPU 0's last 6000 MiB, and the kubelet would fail one pod.
+    let (errors, api, _) = two_replicas_bind_at_once(&[6000, 3000], false).await;
+    assert_eq!(errors, ["", ""]);
+    assert_eq!(assigned(&api, "p1"), assigned(&api, "p2"), "the same GPU, twice");
+    assert!(
+        api.seen().iter().all(|s| !s.path.contains("leases")),
+        "no Lease request without shared bookings"
+    );
+}
+
+#[tokio::test]
+async fn a_booking_whose_pod_is_gone_holds_no_room() {
+    // GPU 0 has 6000 MiB free, GPU 1 2000. Another replica booked 5000 MiB of GPU 0 for a pod that then
+    // left (deleted within the TTL): once the booking is past its settling time and the pod cache does
+    // not show the pod on the node, the room is free again, and the next write drops the booking.
+    // A booking still settling holds its room.
+    for (age_s, expect_bound) in [(30, true), (2, false)] {
+        let node = node_json("n", &[g(16384, 10384), g(16384, 14384)]);
+        let api = Arc::new(FakeApi::default());
+        api.add_node(&node);
+        api.add_pod(&pod_json("p1", 5000, 0, json!({}), json!({})));
+        let at = k8s_openapi::jiff::Timestamp::now() - k8s_openapi::jiff::SignedDuration::from_secs(age_s);
+        let booked =
+            json!([{"pod": "team-a/gone", "gpus": [uuid("n", 0)], "mib": 5000, "at": at.to_string()}]);
+        api.add_lease(&json!({
+            "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+            "metadata": {"name": "gpumem-bookings-n", "namespace": "gpumem-system",
+                         "annotations": {"gpumem.io/bookings": booked.to_string()}},
+            "spec": {}
+        }));
+        let (addr, _) = start(Scorer::new(
+            ScorerConfig::default(),
+            Some(fake_api(api.clone()).await),
+            None,
+            Some(PodCache::from_pods(std::iter::empty::<Pod>())),
+        ))
+        .await;
+        let (_, r) = post_json(addr, "/bind", &bind_args("p1", "n")).await;
+        let error = r["Error"].as_str().expect("Error");
+        let lease = api.lease("gpumem-system/gpumem-bookings-n").expect("lease");
+        let now_booked = lease["metadata"]["annotations"]["gpumem.io/bookings"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string();
+        if expect_bound {
+            assert_eq!(error, "", "a gone pod's booking held the room");
+            assert_eq!(assigned(&api, "p1"), Some(uuid("n", 0)));
+            assert!(!now_booked.contains("team-a/gone"), "{now_booked}");
+            assert!(now_booked.contains("team-a/p1"), "{now_booked}");
+        } else {
+            assert!(
+                error.contains("largest free GPU has 2000 MiB, pod needs 5000 MiB"),
+                "{error}"
+            );
+            assert!(now_booked.contains("team-a/gone"), "{now_booked}");
+        }
+        api.assert_all_granted();
+    }
 }

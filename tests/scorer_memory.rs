@@ -156,7 +156,7 @@ fn the_caches_keep_a_fraction_of_the_objects_at_1000_nodes_and_20000_pods() {
     let pod_cache = PodCache::from_pods(pods);
     let pod_cache_bytes = live() - base;
     assert_eq!(pod_cache.len(), PODS);
-    assert_eq!(pod_cache.on_node("gpu-node-0007").len(), PODS / NODES);
+    assert_eq!(pod_cache.with_node("gpu-node-0007", <[_]>::len), PODS / NODES);
 
     let mb = |b: usize| b as f64 / 1e6;
     println!(

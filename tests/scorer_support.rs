@@ -284,6 +284,10 @@ pub struct FakeApi {
     pub pod_get_delay: Mutex<Duration>,
     /// Pods whose binding POST fails with 409.
     pub refuse_binding: Mutex<Vec<String>>,
+    /// Leases by `namespace/name`, and the last resourceVersion given out.
+    leases: Mutex<(BTreeMap<String, Value>, u64)>,
+    /// Delay before answering a GET of one Lease (to make bookings overlap).
+    pub lease_get_delay: Mutex<Duration>,
     /// While true, lists wait (an API server slow to answer a starting scorer).
     pub hold_lists: tokio::sync::watch::Sender<bool>,
     authorizer: Authorizer,
@@ -299,6 +303,8 @@ impl Default for FakeApi {
             binding_delay: Mutex::default(),
             pod_get_delay: Mutex::default(),
             refuse_binding: Mutex::default(),
+            leases: Mutex::default(),
+            lease_get_delay: Mutex::default(),
             hold_lists: tokio::sync::watch::Sender::new(false),
             authorizer: Authorizer::new("scorer"),
         }
@@ -323,6 +329,25 @@ impl FakeApi {
     /// Pod `namespace/name` as stored.
     pub fn pod(&self, key: &str) -> Option<Value> {
         self.pods.lock().expect("lock").get(key).cloned()
+    }
+
+    /// Lease `namespace/name` as stored.
+    pub fn lease(&self, key: &str) -> Option<Value> {
+        self.leases.lock().expect("lock").0.get(key).cloned()
+    }
+
+    /// Stores `lease` (with a resourceVersion) as if some replica had written it.
+    pub fn add_lease(&self, lease: &Value) {
+        let key = format!(
+            "{}/{}",
+            lease["metadata"]["namespace"].as_str().expect("namespace"),
+            lease["metadata"]["name"].as_str().expect("name")
+        );
+        let mut leases = self.leases.lock().expect("lock");
+        leases.1 += 1;
+        let mut lease = lease.clone();
+        lease["metadata"]["resourceVersion"] = json!(leases.1.to_string());
+        leases.0.insert(key, lease);
     }
 
     pub fn add_node(&self, node: &Value) {
@@ -463,6 +488,75 @@ impl FakeApi {
                     201,
                     json!({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success", "code": 201}),
                 )
+            }
+            (
+                "GET",
+                [
+                    "apis",
+                    "coordination.k8s.io",
+                    "v1",
+                    "namespaces",
+                    ns,
+                    "leases",
+                    name,
+                ],
+            ) => {
+                let delay = *self.lease_get_delay.lock().expect("lock");
+                tokio::time::sleep(delay).await;
+                match self.leases.lock().expect("lock").0.get(&format!("{ns}/{name}")) {
+                    Some(l) => reply(200, l.clone()),
+                    None => not_found(),
+                }
+            }
+            // As the real one: a create of an existing name is AlreadyExists (409), an update must carry
+            // the stored resourceVersion (else Conflict, 409); each write gives out a new one.
+            ("POST", ["apis", "coordination.k8s.io", "v1", "namespaces", ns, "leases"]) => {
+                let name = body["metadata"]["name"].as_str().unwrap_or("").to_string();
+                let mut leases = self.leases.lock().expect("lock");
+                let key = format!("{ns}/{name}");
+                if name.is_empty() || leases.0.contains_key(&key) {
+                    return reply(
+                        409,
+                        json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "AlreadyExists",
+                        "code": 409, "message": format!("leases.coordination.k8s.io {name:?} already exists")}),
+                    );
+                }
+                leases.1 += 1;
+                let mut lease = body.clone();
+                lease["metadata"]["namespace"] = json!(ns);
+                lease["metadata"]["resourceVersion"] = json!(leases.1.to_string());
+                leases.0.insert(key, lease.clone());
+                reply(201, lease)
+            }
+            (
+                "PUT",
+                [
+                    "apis",
+                    "coordination.k8s.io",
+                    "v1",
+                    "namespaces",
+                    ns,
+                    "leases",
+                    name,
+                ],
+            ) => {
+                let mut leases = self.leases.lock().expect("lock");
+                let key = format!("{ns}/{name}");
+                let Some(stored) = leases.0.get(&key) else {
+                    return not_found();
+                };
+                if stored["metadata"]["resourceVersion"] != body["metadata"]["resourceVersion"] {
+                    return reply(
+                        409,
+                        json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "Conflict",
+                        "code": 409, "message": format!("Operation cannot be fulfilled on leases.coordination.k8s.io {name:?}: the object has been modified; please apply your changes to the latest version and try again")}),
+                    );
+                }
+                leases.1 += 1;
+                let mut lease = body.clone();
+                lease["metadata"]["resourceVersion"] = json!(leases.1.to_string());
+                leases.0.insert(key, lease.clone());
+                reply(200, lease)
             }
             ("GET", ["apis", "policy", "v1", "namespaces", ns, "poddisruptionbudgets"]) => {
                 let items: Vec<Value> = self

@@ -1,6 +1,7 @@
 //! The `bind` verb: re-checks the node in the kept view and creates the Binding, which carries the
 //! chosen GPUs onto the pod, holding a ledger reservation until the agent reports the allocation.
 
+use super::bookings::{self, Booking, WriteError};
 use super::extender::{ExtenderBindingArgs, ExtenderBindingResult};
 use super::ledger::Reservation;
 use super::metrics::KindLabel;
@@ -9,11 +10,12 @@ use super::{Scorer, decide, ledger, state};
 use crate::node::{ASSIGNED_AT_ANNOTATION, ASSIGNED_GPUS_ANNOTATION};
 use k8s_openapi::api::core::v1::{Binding, Node, ObjectReference, Pod};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use k8s_openapi::jiff::Timestamp;
 use kube::Api;
 use kube::api::{GetParams, PostParams};
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 use tracing::Instrument as _;
 
 /// Why a bind failed. Its text is the extender's `Error` (kube-scheduler puts it in the pod's
@@ -42,6 +44,9 @@ pub enum BindError {
     /// The node cannot host the pod any more (another bind took the room).
     #[error("{0}")]
     DoesNotFit(String),
+    /// Other replicas' bookings on the node won every attempt (kube-scheduler tries the pod again).
+    #[error("{0}")]
+    Contended(String),
 }
 
 impl BindError {
@@ -53,6 +58,7 @@ impl BindError {
             BindError::NotBindable(_) => "not_bindable",
             BindError::BadPod(_) => "bad_pod",
             BindError::DoesNotFit(_) => "does_not_fit",
+            BindError::Contended(_) => "contended",
             BindError::Api { source, .. } => match source {
                 kube::Error::Api(status) => match status.code {
                     403 => "forbidden",
@@ -118,42 +124,43 @@ impl Scorer {
     /// cache sees bound there, carrying `gpumem.io/assigned-gpus` from within the ledger's TTL, that
     /// this replica's ledger does not hold. Replicas share no state; this is how one sees the others'
     /// recent binds before the agent reports them.
-    fn other_replicas_binds(&self, node: &NodeSnapshot) -> Vec<Reservation> {
+    pub(super) fn other_replicas_binds(&self, node: &NodeSnapshot) -> Vec<Reservation> {
         let Some(pods) = &self.pods else { return Vec::new() };
         let ttl = self.config.ledger_ttl_seconds;
         let now = k8s_openapi::jiff::Timestamp::now();
-        pods.on_node(&node.name)
-            .iter()
-            .filter_map(|pod| {
-                let age = now.duration_since(pod.assigned_at?).as_secs();
-                pod.demand?;
-                let visible = node.gpus().iter().any(|g| g.pods.iter().any(|p| **p == *pod.key));
-                if pod.assigned_gpus.is_empty()
-                    || age < 0
-                    || age as u64 >= ttl
-                    || visible
-                    || self.ledger.holds(&node.name, &pod.key)
-                {
-                    return None;
-                }
-                let gpus: Vec<(usize, String)> = pod
-                    .assigned_gpus
-                    .iter()
-                    .filter_map(|u| {
-                        node.gpus()
-                            .iter()
-                            .position(|g| *g.uuid == **u)
-                            .map(|p| (p, u.to_string()))
+        pods.with_node(&node.name, |on_node| {
+            on_node
+                .iter()
+                .filter_map(|pod| {
+                    // Cheapest first: most pods on a node were bound long ago.
+                    let age = now.duration_since(pod.assigned_at?).as_secs();
+                    if age < 0 || age as u64 >= ttl || pod.assigned_gpus.is_empty() {
+                        return None;
+                    }
+                    pod.demand?;
+                    let visible = node.gpus().iter().any(|g| g.pods.iter().any(|p| **p == *pod.key));
+                    if visible || self.ledger.holds(&node.name, &pod.key) {
+                        return None;
+                    }
+                    let gpus: Vec<(usize, String)> = pod
+                        .assigned_gpus
+                        .iter()
+                        .filter_map(|u| {
+                            node.gpus()
+                                .iter()
+                                .position(|g| *g.uuid == **u)
+                                .map(|p| (p, u.to_string()))
+                        })
+                        .collect();
+                    Some(Reservation {
+                        pod: pod.key.to_string(),
+                        gpus,
+                        mib: pod.memory_mib(node.unit_mib),
+                        at: std::time::Instant::now(),
                     })
-                    .collect();
-                Some(Reservation {
-                    pod: pod.key.to_string(),
-                    gpus,
-                    mib: pod.memory_mib(node.unit_mib),
-                    at: std::time::Instant::now(),
                 })
-            })
-            .collect()
+                .collect()
+        })
     }
 
     /// Refuses to bind what kube-scheduler would never ask this scorer to bind: another incarnation of
@@ -198,10 +205,155 @@ impl Scorer {
         Ok(())
     }
 
-    /// Chooses `d`'s GPU(s) on `node_name` as `prioritize` scored them and reserves them in the ledger.
+    /// Chooses `d`'s GPU(s) on `node_name` as `prioritize` scored them and reserves them in the ledger;
+    /// with shared bookings, books them in the node's Lease too, choosing again while another replica's
+    /// booking beats this one ([`super::bookings`]).
     async fn reserve(&self, d: &PodDemand, node_name: &str) -> Result<Reservation, BindError> {
+        let Some(board) = &self.board else {
+            return self.reserve_with(d, node_name, &[]).await;
+        };
+        for attempt in 1..=bookings::ATTEMPTS {
+            let read = board.read(node_name).await.map_err(BindError::api(format!(
+                "reading the bookings of node {node_name}"
+            )))?;
+            // Only live bookings count, in the choice as in what is written back: one whose pod has
+            // gone (a pod deleted within the TTL) must not hold room.
+            let mut keep = self.live_bookings(node_name, &read.bookings, &d.key);
+            let r = self.reserve_with(d, node_name, &keep).await?;
+            keep.push(Booking {
+                pod: r.pod.clone(),
+                gpus: r.gpus.iter().map(|(_, u)| u.clone()).collect(),
+                mib: r.mib,
+                at: Timestamp::now(),
+            });
+            match board.write(node_name, read, &keep).await {
+                Ok(()) => return Ok(r),
+                Err(e) => {
+                    self.ledger.release(node_name, &r.pod);
+                    match e {
+                        WriteError::Conflict => {
+                            self.metrics.booking_conflicts.inc();
+                            tracing::debug!(
+                                attempt,
+                                "another replica booked on this node first: choosing again"
+                            );
+                        }
+                        WriteError::Api(source) => {
+                            return Err(BindError::Api {
+                                what: format!("booking on node {node_name}"),
+                                source,
+                            });
+                        }
+                    }
+                }
+            }
+        }
+        Err(BindError::Contended(format!(
+            "node {node_name}: other replicas' binds booked first {} times in a row",
+            bookings::ATTEMPTS
+        )))
+    }
+
+    /// What of `read` (a node's bookings) still holds room, less `pod`'s own ([`bookings::kept`]).
+    fn live_bookings(&self, node_name: &str, read: &[Booking], pod: &str) -> Vec<Booking> {
+        let shown = |b: &Booking| self.node_shows(node_name, &b.pod);
+        // Without a pod cache nothing is known: bookings then last until the TTL.
+        let bound: Option<Vec<Box<str>>> = self
+            .pods
+            .as_ref()
+            .map(|p| p.with_node(node_name, |on| on.iter().map(|r| r.key.clone()).collect()));
+        let known = |b: &Booking| {
+            bound
+                .as_ref()
+                .is_none_or(|keys| keys.iter().any(|k| **k == *b.pod))
+        };
+        bookings::kept(
+            read,
+            pod,
+            Timestamp::now(),
+            Duration::from_secs(self.config.ledger_ttl_seconds),
+            shown,
+            known,
+        )
+    }
+
+    /// Takes `pod`'s booking out of `node`'s Lease after its Binding failed, so that no replica counts
+    /// the room as taken while kube-scheduler tries the pod again. Best effort: a booking left behind
+    /// ends by itself ([`bookings::SETTLE`], or the TTL without a pod cache).
+    async fn unbook(&self, node: &str, pod: &str) {
+        let Some(board) = &self.board else { return };
+        for _ in 0..bookings::ATTEMPTS {
+            let read = match board.read(node).await {
+                Ok(read) => read,
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot read the node's bookings to drop this pod's");
+                    return;
+                }
+            };
+            if !read.bookings.iter().any(|b| b.pod == pod) {
+                return;
+            }
+            let keep: Vec<Booking> = read.bookings.iter().filter(|b| b.pod != pod).cloned().collect();
+            match board.write(node, read, &keep).await {
+                Ok(()) => return,
+                Err(WriteError::Conflict) => continue,
+                Err(WriteError::Api(e)) => {
+                    tracing::warn!(error = %e, "cannot drop this pod's booking; it ends by itself");
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Whether `node`'s usage annotation, as cached, lists `pod`.
+    fn node_shows(&self, node: &str, pod: &str) -> bool {
+        self.nodes
+            .as_ref()
+            .and_then(|c| c.get(node))
+            .is_some_and(|n| n.gpus().iter().any(|g| g.pods.iter().any(|p| **p == *pod)))
+    }
+
+    /// [`Scorer::reserve`] against the node less what other replicas hold: binds the pod cache shows,
+    /// and `booked` (the node's shared bookings) where neither that, the node's annotation nor this
+    /// replica's ledger counts them already.
+    async fn reserve_with(
+        &self,
+        d: &PodDemand,
+        node_name: &str,
+        booked: &[Booking],
+    ) -> Result<Reservation, BindError> {
         let mut node = self.node_state(node_name).await?;
-        for r in self.other_replicas_binds(&node) {
+        let seen = self.other_replicas_binds(&node);
+        for r in &seen {
+            ledger::subtract(&mut node, r);
+        }
+        let ttl = Duration::from_secs(self.config.ledger_ttl_seconds);
+        let now = Timestamp::now();
+        for b in booked {
+            let counted = b.pod == d.key
+                || seen.iter().any(|r| r.pod == b.pod)
+                || self.ledger.holds(node_name, &b.pod)
+                || node.gpus().iter().any(|g| g.pods.iter().any(|p| **p == *b.pod))
+                || Duration::try_from(now.duration_since(b.at)).is_ok_and(|age| age >= ttl);
+            if counted {
+                continue;
+            }
+            let gpus = b
+                .gpus
+                .iter()
+                .filter_map(|u| {
+                    node.gpus()
+                        .iter()
+                        .position(|g| *g.uuid == **u)
+                        .map(|p| (p, u.clone()))
+                })
+                .collect();
+            let r = Reservation {
+                pod: b.pod.clone(),
+                gpus,
+                mib: b.mib,
+                at: Instant::now(),
+            };
             ledger::subtract(&mut node, &r);
         }
         let (config, cache) = (&self.config, &self.policy_cache);
@@ -306,6 +458,7 @@ impl Scorer {
             && let Some(r) = &reserved
         {
             self.ledger.release(&args.node, &r.pod);
+            self.unbook(&args.node, &r.pod).await;
         }
         outcome
     }

@@ -63,10 +63,7 @@ pub fn run(args: &ScorerArgs) -> anyhow::Result<()> {
         scorer.follow_caches();
         if let (Some(mut dra), Some(client)) = (dra, client) {
             if dra.lease_namespace.is_empty() {
-                dra.lease_namespace = std::env::var("POD_NAMESPACE")
-                    .ok()
-                    .filter(|n| !n.is_empty())
-                    .unwrap_or_else(|| "gpumem-system".into());
+                dra.lease_namespace = super::own_namespace();
             }
             let identity = std::env::var("POD_NAME")
                 .ok()

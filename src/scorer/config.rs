@@ -52,6 +52,10 @@ pub struct ScorerConfig {
     pub online_min_priority: Option<i32>,
     /// How long a bind's reservation lasts if the agent never reports the pod.
     pub ledger_ttl_seconds: u64,
+    /// Book each bind in its node's Lease before the Binding, so that replicas side by side never
+    /// promise the same room ([`super::bookings`]). Costs a read and a write per bind; a single replica
+    /// can do without (`false`).
+    pub shared_bookings: bool,
     /// Largest request body accepted (see [`DEFAULT_MAX_BODY_BYTES`]).
     pub max_body_bytes: usize,
     /// The kube-scheduler profiles whose pods `bind` binds (a pod's `spec.schedulerName`); a pod of
@@ -126,6 +130,7 @@ impl Default for ScorerConfig {
             online_priority_classes: Vec::new(),
             online_min_priority: None,
             ledger_ttl_seconds: 120,
+            shared_bookings: true,
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
             scheduler_names: vec!["default-scheduler".into(), "gpumem-scheduler".into()],
             typical_mix: vec![

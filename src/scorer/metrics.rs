@@ -70,6 +70,7 @@ pub struct Metrics {
     pub errors: Family<VerbLabel, Counter>,
     pub protocols: Family<ProtocolLabel, Counter>,
     pub bind_failures: Family<KindLabel, Counter>,
+    pub booking_conflicts: Counter,
     pub ledger: Gauge,
     pub cluster_fragmentation: Ratio,
     pub node_fragmentation: Family<NodeLabel, Ratio>,
@@ -95,6 +96,7 @@ impl Metrics {
         let errors = Family::<VerbLabel, Counter>::default();
         let protocols = Family::<ProtocolLabel, Counter>::default();
         let bind_failures = Family::<KindLabel, Counter>::default();
+        let booking_conflicts = Counter::default();
         let ledger = Gauge::default();
         let cluster_fragmentation = Ratio::default();
         let node_fragmentation = Family::<NodeLabel, Ratio>::default();
@@ -150,6 +152,11 @@ impl Metrics {
             bind_failures.clone(),
         );
         registry.register(
+            "gpumem_scorer_booking_conflicts",
+            "Binds whose booking another replica's booking on the same node beat (each chose again)",
+            booking_conflicts.clone(),
+        );
+        registry.register(
             "gpumem_scorer_ledger_reservations",
             "Binds made whose GPUs the node annotations do not show yet",
             ledger.clone(),
@@ -176,6 +183,7 @@ impl Metrics {
             errors,
             protocols,
             bind_failures,
+            booking_conflicts,
             ledger,
             cluster_fragmentation,
             node_fragmentation,

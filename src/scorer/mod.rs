@@ -10,6 +10,7 @@
 //! - `filter`, [`bind`], `preempt`: the verbs (each in a tracing span naming the pod);
 //! - [`dra`]: placement on the DRA path (allocating ResourceClaims of gated pods);
 //! - [`ledger`]: binds in flight, so that concurrent decisions never double-book a GPU;
+//! - [`bookings`]: binds in flight that every replica sees, so that replicas never double-book one;
 //! - [`victims`]: GPU-aware victim selection, pure;
 //! - [`workload`]: the typical mix learned from the pods the scorer ranks;
 //! - [`cache`]: reflector-fed node and pod caches (`nodeCacheCapable: true`);
@@ -17,6 +18,7 @@
 //! - [`metrics`]: Prometheus metrics.
 
 pub mod bind;
+pub mod bookings;
 pub mod cache;
 pub mod cli;
 pub mod config;
@@ -75,6 +77,16 @@ pub struct Scorer {
     kept: Mutex<Vec<Kept>>,
     /// The requests of the pods `filter` saw, for their `bind`.
     filtered: bind::Filtered,
+    /// The bookings replicas share (`sharedBookings`, with a client).
+    board: Option<bookings::Board>,
+}
+
+/// The namespace the scorer runs in (`POD_NAMESPACE`, from the downward API), where its Leases live.
+pub fn own_namespace() -> String {
+    std::env::var("POD_NAMESPACE")
+        .ok()
+        .filter(|n| !n.is_empty())
+        .unwrap_or_else(|| "gpumem-system".into())
 }
 
 /// The nodes a `filter` call kept, in the `NodeNames` form. kube-scheduler sends `prioritize` exactly the
@@ -108,7 +120,12 @@ impl Scorer {
         };
         // The nodes of the last requests, up to twice the largest request.
         let raw_nodes = RawNodeCache::new(config.max_body_bytes.saturating_mul(2));
+        let board = client
+            .clone()
+            .filter(|_| config.shared_bookings)
+            .map(|c| bookings::Board::new(c, &own_namespace()));
         Scorer {
+            board,
             ledger: Ledger::new(Duration::from_secs(config.ledger_ttl_seconds)),
             config,
             metrics: Metrics::new(),
@@ -270,6 +287,18 @@ impl Scorer {
             return Err(BadRequest("ExtenderArgs has neither Nodes nor NodeNames".into()));
         };
         self.ledger.apply_arcs(&mut states);
+        // Also the other replicas' binds that the annotation does not show yet, as bind counts them:
+        // without them filter passes a node whose room another replica has just taken, and
+        // kube-scheduler's bind fails there, again for each pod, until the agent's next report.
+        for s in states.iter_mut() {
+            let seen = self.other_replicas_binds(s);
+            if !seen.is_empty() {
+                let node = Arc::make_mut(s);
+                for r in &seen {
+                    ledger::subtract(node, r);
+                }
+            }
+        }
         Ok(states)
     }
 

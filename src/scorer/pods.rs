@@ -248,9 +248,9 @@ impl PodCache {
         &self.synced
     }
 
-    /// Pods bound to `node`.
-    pub fn on_node(&self, node: &str) -> Vec<Arc<PodRecord>> {
-        self.read().by_node.get(node).cloned().unwrap_or_default()
+    /// `f` of the pods bound to `node`, read in place (filter reads every candidate node's).
+    pub fn with_node<R>(&self, node: &str, f: impl FnOnce(&[Arc<PodRecord>]) -> R) -> R {
+        f(self.read().by_node.get(node).map_or(&[], Vec::as_slice))
     }
 
     /// Every pod, oldest bind first (pods without the scorer's bind time, first of all).
@@ -326,19 +326,23 @@ mod tests {
         let gone = Arc::new(Mutex::new(Vec::new()));
         let log = gone.clone();
         cache.on_delete(move |r| log.lock().expect("lock").push(r.key.to_string()));
-        let mut on_n1: Vec<String> = cache.on_node("n1").iter().map(|r| r.uid.to_string()).collect();
+        let mut on_n1: Vec<String> = cache
+            .with_node("n1", <[_]>::to_vec)
+            .iter()
+            .map(|r| r.uid.to_string())
+            .collect();
         on_n1.sort();
         assert_eq!(on_n1, ["u1", "u2"]);
         let wanted: HashSet<&str> = ["u3", "nope"].into();
         assert_eq!(cache.by_uids(&wanted).keys().collect::<Vec<_>>(), ["u3"]);
 
         cache.apply(&watcher::Event::Delete(pod("u1", "p1", "n1")));
-        assert_eq!(cache.on_node("n1").len(), 1);
+        assert_eq!(cache.with_node("n1", <[_]>::to_vec).len(), 1);
         // A relist that no longer has u2: it is gone, and the hook hears of it.
         cache.apply(&watcher::Event::Init);
         cache.apply(&watcher::Event::InitApply(pod("u3", "p3", "n2")));
         cache.apply(&watcher::Event::InitDone);
-        assert!(cache.on_node("n1").is_empty());
+        assert!(cache.with_node("n1", <[_]>::to_vec).is_empty());
         assert_eq!(cache.len(), 1);
         assert_eq!(*gone.lock().expect("lock"), ["ml/p1", "ml/p2"]);
     }
@@ -350,6 +354,6 @@ mod tests {
         newer.metadata.labels = None;
         cache.apply(&watcher::Event::Apply(newer));
         assert_eq!(cache.len(), 1);
-        assert!(cache.on_node("n1")[0].labels().is_empty());
+        assert!(cache.with_node("n1", <[_]>::to_vec)[0].labels().is_empty());
     }
 }

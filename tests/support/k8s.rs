@@ -161,13 +161,77 @@ fn percent_decode(text: &str) -> String {
 // ---------------------------------------------------------------------------------------------
 // RBAC
 
-/// The ClusterRoles gpumem binds to one component's ServiceAccount, as shipped: (where from, rules),
-/// one per source, each source holding the union of the roles' rules.
+/// The ClusterRoles gpumem binds to one component's ServiceAccount, as shipped, with the Roles their
+/// files bind to it: (where from, rules), one per source, each source holding the union of the roles'
+/// rules.
 pub struct ShippedRole {
     component: String,
     /// The ClusterRoles' names (`gpumem-agent`, `gpumem-agent-dra`).
     roles: Vec<String>,
-    sources: Vec<(String, Vec<PolicyRule>)>,
+    sources: Vec<(String, Vec<Scoped>)>,
+}
+
+/// A rule, and the namespace it is limited to when a Role (not a ClusterRole) holds it.
+#[derive(Debug, Clone)]
+pub struct Scoped {
+    namespace: Option<String>,
+    rule: PolicyRule,
+}
+
+impl Scoped {
+    fn cluster(rules: Vec<PolicyRule>) -> Vec<Scoped> {
+        rules
+            .into_iter()
+            .map(|rule| Scoped {
+                namespace: None,
+                rule,
+            })
+            .collect()
+    }
+
+    fn grants(&self, request: &RequestInfo) -> bool {
+        self.namespace
+            .as_ref()
+            .is_none_or(|ns| request.namespace.as_ref() == Some(ns))
+            && grants(&self.rule, request)
+    }
+}
+
+/// The rules of the Roles among `docs` that a RoleBinding among them binds to ServiceAccount `sa`
+/// (of gpumem's namespace), each limited to its Role's namespace.
+fn bound_roles<'a>(docs: impl IntoIterator<Item = &'a Value> + Clone, sa: &str) -> Vec<Scoped> {
+    let bound: Vec<String> = docs
+        .clone()
+        .into_iter()
+        .filter(|d| d["kind"] == "RoleBinding" && d["roleRef"]["kind"] == "Role")
+        .filter(|d| {
+            d["subjects"].as_array().into_iter().flatten().any(|s| {
+                s["kind"] == "ServiceAccount"
+                    && s["name"] == sa
+                    && s["namespace"] == deploy_support::NAMESPACE
+            })
+        })
+        .filter_map(|d| d["roleRef"]["name"].as_str().map(String::from))
+        .collect();
+    docs.into_iter()
+        .filter(|d| {
+            d["kind"] == "Role"
+                && d["metadata"]["name"]
+                    .as_str()
+                    .is_some_and(|n| bound.iter().any(|b| b == n))
+        })
+        .flat_map(|d| {
+            let role: k8s_openapi::api::rbac::v1::Role = deploy_support::parse(d);
+            let namespace = role.metadata.namespace.clone();
+            role.rules
+                .unwrap_or_default()
+                .into_iter()
+                .map(move |rule| Scoped {
+                    namespace: namespace.clone(),
+                    rule,
+                })
+        })
+        .collect()
 }
 
 /// The chart rendered with default values, once per test process.
@@ -207,17 +271,28 @@ impl ShippedRole {
     /// is taken from the chart for the manifests' side too, and the source's name says so.
     pub fn bound(component: &str, roles: &[&str]) -> ShippedRole {
         let chart = chart_docs().iter().map(|(_, d)| d);
+        let sa = format!("{}-{component}", deploy_support::RELEASE);
         let mut manifests = (Vec::new(), Vec::new());
         let mut charted = (Vec::new(), Vec::new());
         for role in roles {
             let name = format!("{}-{role}", deploy_support::RELEASE);
             let file = format!("deploy/manifests/base/{role}-rbac.yaml");
+            let template = format!("{role}-rbac.yaml");
+            let from_template = chart_docs()
+                .iter()
+                .filter(|(t, _)| t.ends_with(&template))
+                .map(|(_, d)| d);
             let path = deploy_support::repo().join(&file);
             let (what, rules) = if path.exists() {
                 let manifest = deploy_support::yaml_docs(&deploy_support::read(&path), &file);
-                rules_of(&manifest, &name, &file)
+                let (what, rules) = rules_of(&manifest, &name, &file);
+                let mut rules = Scoped::cluster(rules);
+                rules.extend(bound_roles(&manifest, &sa));
+                (what, rules)
             } else {
                 let (_, rules) = rules_of(chart.clone(), &name, CHART);
+                let mut rules = Scoped::cluster(rules);
+                rules.extend(bound_roles(from_template.clone(), &sa));
                 (
                     format!("{file} (not generated yet: the chart's {name} stands in)"),
                     rules,
@@ -229,7 +304,8 @@ impl ShippedRole {
             if charted.0.is_empty() {
                 charted.0.push(what);
             }
-            charted.1.extend(rules);
+            charted.1.extend(Scoped::cluster(rules));
+            charted.1.extend(bound_roles(from_template, &sa));
         }
         ShippedRole {
             component: component.to_string(),
@@ -263,7 +339,7 @@ impl ShippedRole {
     pub fn denying(&self, request: &RequestInfo) -> Vec<&str> {
         self.sources
             .iter()
-            .filter(|(_, rules)| !rules.iter().any(|r| grants(r, request)))
+            .filter(|(_, rules)| !rules.iter().any(|r| r.grants(request)))
             .map(|(what, _)| what.as_str())
             .collect()
     }
@@ -272,7 +348,7 @@ impl ShippedRole {
     pub fn granted(&self) -> BTreeSet<Access> {
         let mut out = BTreeSet::new();
         for (_, rules) in &self.sources {
-            for rule in rules {
+            for Scoped { rule, .. } in rules {
                 for group in rule.api_groups.iter().flatten() {
                     for resource in rule.resources.iter().flatten() {
                         for verb in &rule.verbs {

@@ -1,0 +1,280 @@
+//! Binds in flight that every scorer replica sees. A replica's [`super::ledger::Ledger`] holds its own
+//! binds until the node's usage annotation shows them, and its pod cache shows the other replicas'
+//! binds once their pods reach its watch. Between another replica's Binding and that watch event, two
+//! replicas could promise the same room, and the kubelet would fail the loser's pod
+//! (`UnexpectedAdmissionError`, terminal for a bare pod). A per-node Lease in the scorer's namespace,
+//! `gpumem-bookings-<node>`, closes that gap:
+//!
+//! - a bind reads the node's Lease, chooses its GPUs with the other replicas' bookings subtracted, and
+//!   writes its own booking with the resourceVersion it read, before the Binding;
+//! - when two replicas book on one node at once, one write wins; the other gets 409 Conflict and chooses
+//!   again against what won (or answers that the node has no room, and kube-scheduler tries again).
+//!
+//! A booking is dropped by the next write to its node's Lease once the usage annotation shows its pod,
+//! once it is older than the ledger's TTL, or once it is [`SETTLE`] old and the writer's pod cache has
+//! no such pod on the node (its Binding failed, or the pod is gone).
+
+use std::time::Duration;
+
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use k8s_openapi::jiff::Timestamp;
+use kube::Api;
+use kube::api::PostParams;
+use serde::{Deserialize, Serialize};
+
+/// The Lease annotation holding a node's bookings (JSON, [`Booking`]s).
+pub const BOOKINGS_ANNOTATION: &str = "gpumem.io/bookings";
+/// Lease names: this prefix and the node's name.
+pub const LEASE_PREFIX: &str = "gpumem-bookings-";
+/// A bind gives up after this many writes lost to other replicas in a row (kube-scheduler retries it).
+pub const ATTEMPTS: usize = 5;
+/// Past this age a booking whose pod the writer's pod cache does not show bound to its node is dropped.
+pub const SETTLE: Duration = Duration::from_secs(10);
+/// More bookings than this in one Lease are not read (a hand-edited or corrupt annotation).
+pub const MAX_BOOKINGS: usize = 4096;
+
+/// One bind in flight.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct Booking {
+    /// `namespace/name`, as the usage annotation lists pods.
+    pub pod: String,
+    /// The GPUs' UUIDs.
+    pub gpus: Vec<String>,
+    /// MiB on each GPU; absent = the GPUs whole.
+    #[serde(rename = "mib", default, skip_serializing_if = "Option::is_none")]
+    pub mib: Option<u64>,
+    pub at: Timestamp,
+}
+
+/// The Lease of `node`'s bookings. Node names are DNS subdomains of up to 253 characters; a name
+/// too long for the prefix keeps its first characters and a hash of the whole.
+pub fn lease_name(node: &str) -> String {
+    const MAX: usize = 253;
+    let name = format!("{LEASE_PREFIX}{node}");
+    if name.len() <= MAX {
+        return name;
+    }
+    use std::hash::{Hash as _, Hasher as _};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    node.hash(&mut h);
+    let hash = format!("-{:016x}", h.finish());
+    let keep = MAX - hash.len();
+    // Node names are ASCII: any byte index is a character boundary.
+    let head = name[..keep].trim_end_matches(['-', '.']);
+    format!("{head}{hash}")
+}
+
+/// The bookings an annotation holds; an error says why it cannot be read.
+pub fn parse(text: &str) -> Result<Vec<Booking>, String> {
+    let bookings: Vec<Booking> = serde_json::from_str(text)
+        .map_err(|e| format!("{BOOKINGS_ANNOTATION} is not a list of bookings: {e}"))?;
+    if bookings.len() > MAX_BOOKINGS {
+        return Err(format!(
+            "{BOOKINGS_ANNOTATION} holds {} bookings, more than {MAX_BOOKINGS}",
+            bookings.len()
+        ));
+    }
+    Ok(bookings)
+}
+
+/// What a writer keeps of the bookings it read: not `replaced` (the pod it books now), not older than
+/// `ttl`, not `shown` by the usage annotation, and, past [`SETTLE`], only those whose pod is `known`
+/// bound to the node.
+pub fn kept(
+    read: &[Booking],
+    replaced: &str,
+    now: Timestamp,
+    ttl: Duration,
+    shown: impl Fn(&Booking) -> bool,
+    known: impl Fn(&Booking) -> bool,
+) -> Vec<Booking> {
+    read.iter()
+        .filter(|b| b.pod != replaced)
+        .filter(|b| {
+            let age = now.duration_since(b.at);
+            // A booking from the future (a replica's clock ahead) counts as new.
+            let age = Duration::try_from(age).unwrap_or(Duration::ZERO);
+            age < ttl && !shown(b) && (age < SETTLE || known(b))
+        })
+        .cloned()
+        .collect()
+}
+
+/// A node's Lease as read: the object (absent: not created yet) and its bookings.
+#[derive(Debug, Default)]
+pub struct Read {
+    lease: Option<Lease>,
+    pub bookings: Vec<Booking>,
+}
+
+/// Why a write did not take.
+#[derive(Debug, thiserror::Error)]
+pub enum WriteError {
+    /// Another replica wrote the Lease since it was read.
+    #[error("another replica booked on this node since it was read")]
+    Conflict,
+    #[error(transparent)]
+    Api(#[from] kube::Error),
+}
+
+/// The scorer's Leases of bookings, in its namespace.
+pub struct Board {
+    api: Api<Lease>,
+}
+
+impl Board {
+    pub fn new(client: kube::Client, namespace: &str) -> Board {
+        Board {
+            api: Api::namespaced(client, namespace),
+        }
+    }
+
+    /// `node`'s Lease, from etcd (a quorum read: a cached one would only cost a conflict later). An
+    /// annotation that cannot be read is logged and taken as empty: the next write replaces it.
+    pub async fn read(&self, node: &str) -> Result<Read, kube::Error> {
+        let Some(lease) = self.api.get_opt(&lease_name(node)).await? else {
+            return Ok(Read::default());
+        };
+        let text = lease
+            .metadata
+            .annotations
+            .as_ref()
+            .and_then(|a| a.get(BOOKINGS_ANNOTATION))
+            .map_or("[]", String::as_str);
+        let bookings = parse(text).unwrap_or_else(|e| {
+            tracing::warn!(node, lease = %lease_name(node), "{e}; its bookings are dropped");
+            Vec::new()
+        });
+        Ok(Read {
+            lease: Some(lease),
+            bookings,
+        })
+    }
+
+    /// Writes `bookings` as `node`'s, on top of `read` only: anything written since is a conflict.
+    pub async fn write(&self, node: &str, read: Read, bookings: &[Booking]) -> Result<(), WriteError> {
+        let text = serde_json::to_string(bookings).unwrap_or_else(|_| "[]".into());
+        let result = match read.lease {
+            Some(mut lease) => {
+                lease
+                    .metadata
+                    .annotations
+                    .get_or_insert_default()
+                    .insert(BOOKINGS_ANNOTATION.into(), text);
+                // The object carries the resourceVersion read: the API server refuses a stale one.
+                let name = lease.metadata.name.clone().unwrap_or_else(|| lease_name(node));
+                self.api
+                    .replace(&name, &PostParams::default(), &lease)
+                    .await
+                    .map(drop)
+            }
+            None => {
+                let lease = Lease {
+                    metadata: ObjectMeta {
+                        name: Some(lease_name(node)),
+                        labels: Some(
+                            [
+                                ("app.kubernetes.io/name".to_string(), "gpumem".to_string()),
+                                (
+                                    "app.kubernetes.io/component".to_string(),
+                                    "scorer-bookings".to_string(),
+                                ),
+                            ]
+                            .into(),
+                        ),
+                        annotations: Some([(BOOKINGS_ANNOTATION.to_string(), text)].into()),
+                        ..ObjectMeta::default()
+                    },
+                    spec: None,
+                };
+                self.api.create(&PostParams::default(), &lease).await.map(drop)
+            }
+        };
+        match result {
+            Ok(()) => Ok(()),
+            // Update with a stale resourceVersion, or a create another replica made first.
+            Err(kube::Error::Api(s)) if s.code == 409 => Err(WriteError::Conflict),
+            Err(e) => Err(WriteError::Api(e)),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn booking(pod: &str, age_s: i64) -> Booking {
+        Booking {
+            pod: pod.into(),
+            gpus: vec!["GPU-a".into()],
+            mib: Some(1000),
+            at: Timestamp::now() - k8s_openapi::jiff::SignedDuration::from_secs(age_s),
+        }
+    }
+
+    #[test]
+    fn lease_names_are_valid_for_any_node_name() {
+        assert_eq!(lease_name("gpu-node-1"), "gpumem-bookings-gpu-node-1");
+        let long = "n".repeat(253);
+        let name = lease_name(&long);
+        assert_eq!(name.len(), 253);
+        assert!(name.starts_with(LEASE_PREFIX));
+        assert_ne!(
+            lease_name(&long),
+            lease_name(&"n".repeat(252)),
+            "different nodes, different Leases"
+        );
+        assert!(crate::names::check_subdomain(&name).is_ok(), "{name}");
+    }
+
+    #[test]
+    fn bookings_round_trip_and_bad_text_is_an_error() {
+        let b = vec![
+            booking("ns/a", 0),
+            Booking {
+                mib: None,
+                ..booking("ns/b", 1)
+            },
+        ];
+        let text = serde_json::to_string(&b).unwrap();
+        assert!(!text.contains("\"mib\":null"), "{text}");
+        assert_eq!(parse(&text).unwrap(), b);
+        assert!(parse("{").is_err());
+        assert!(parse(r#"[{"pod": "a", "gpus": [], "at": "2026-01-01T00:00:00Z", "extra": 1}]"#).is_err());
+        let many = vec![booking("ns/a", 0); MAX_BOOKINGS + 1];
+        assert!(parse(&serde_json::to_string(&many).unwrap()).is_err());
+    }
+
+    #[test]
+    fn a_writer_keeps_only_bookings_still_in_flight() {
+        let read = vec![
+            booking("ns/mine", 0),
+            booking("ns/fresh", 1),
+            booking("ns/old", 200),
+            booking("ns/shown", 1),
+            booking("ns/unknown-young", 5),
+            booking("ns/unknown-settled", 11),
+            booking("ns/known-settled", 11),
+            Booking {
+                // a clock ahead
+                at: Timestamp::now() + k8s_openapi::jiff::SignedDuration::from_secs(30),
+                ..booking("ns/future", 0)
+            },
+        ];
+        let kept = kept(
+            &read,
+            "ns/mine",
+            Timestamp::now(),
+            Duration::from_secs(120),
+            |b| b.pod == "ns/shown",
+            |b| b.pod == "ns/known-settled",
+        );
+        let pods: Vec<&str> = kept.iter().map(|b| b.pod.as_str()).collect();
+        assert_eq!(
+            pods,
+            ["ns/fresh", "ns/unknown-young", "ns/known-settled", "ns/future"]
+        );
+    }
+}
