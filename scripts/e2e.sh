@@ -15,12 +15,13 @@
 # fake libcuda.so.1, with this machine's loader and glibc) and imported into each cluster's containerd.
 #
 # On 1.36 the same node then moves to the DRA path (the agent restarted with `mode: dra`) and the DRA
-# scenarios run.
+# scenarios run. Last, the short fault run (scripts/faults.sh): faults under load, one check per fault.
 #
 # Environment: GPUMEM_K8S_KIT (the kit; ../shared/k8s), GPUMEM_E2E_CLUSTERS (VERSION/KUBELET pairs;
 # "1.24/stock 1.24/localhost-authority 1.36/stock"),
 # GPUMEM_E2E_OUT (logs; target/e2e), K8S_STATE (the kit's state dir; /tmp/gpumem-e2e),
-# GPUMEM_E2E_SCENARIOS (a space-separated subset of the scenario names, for debugging), GPUMEM_E2E_KEEP=1
+# GPUMEM_E2E_SCENARIOS (a space-separated subset of the scenario names, for debugging; `faults` is the
+# fault run), GPUMEM_E2E_KEEP=1
 # (leave the last cluster, agent and scorer running to look around; the kit's down.sh stops the cluster).
 
 set -uo pipefail
@@ -207,9 +208,37 @@ run_cluster() {
   start_agent
   start_claims
   for s in ${GPUMEM_E2E_SCENARIOS:-$(scenarios_for "$K8S_VERSION")}; do
-    "scenario_$s"
+    [ "$s" == faults ] || "scenario_$s" # the fault run has its own cluster (run_faults)
   done
   cleanup
+}
+
+# run_faults: the short fault run (scripts/faults.sh: its own 1.24 cluster, two scorer replicas behind one
+# address, two schedulers, API-only nodes and the real node, one of each fault), one check per fault row.
+run_faults() {
+  KUBELET_KIND=1.24/faults
+  SCENARIO=faults
+  log "== [$KUBELET_KIND] faults under load (scripts/faults.sh, short; log: $OUT/faults.log)"
+  GPUMEM_FAULTS_SHORT=1 GPUMEM_FAULTS_OUT=$OUT/faults "$ROOT/scripts/faults.sh" > "$OUT/faults.log" 2>&1
+  local rows
+  rows=$(python3 - "$OUT/faults/summary.json" << 'PY'
+import json, sys
+try:
+    rows = json.load(open(sys.argv[1]))["faults"]
+except (OSError, ValueError, KeyError) as e:
+    print(f"bad\tthe fault run wrote its rows\t{e}")
+    sys.exit()
+for r in rows:
+    what = (f"{r['fault']}: {r['failed_gpu']} pods failed for GPU reasons "
+            f"({r['failed_plugin_down']} while the device plugin restarted), {r['over_capacity']} GPUs over capacity, "
+            f"{r['pending_without_reason']} pending without a reason, recovered {r['recovered_s']} s after it")
+    print(f"{'ok' if r['ok'] else 'bad'}\t{what}\t{r['verdict']}")
+PY
+  )
+  local verdict what why
+  while IFS=$'\t' read -r verdict what why; do
+    if [ "$verdict" == ok ]; then ok "$what"; else bad "$what" "$why"; fi
+  done <<< "$rows"
 }
 
 trap 'exit 130' INT TERM
@@ -217,6 +246,9 @@ trap cleanup EXIT
 for cluster in $CLUSTERS; do
   run_cluster "${cluster%%/*}" "${cluster#*/}"
 done
+if [ -z "${GPUMEM_E2E_SCENARIOS:-}" ] || [[ " $GPUMEM_E2E_SCENARIOS " == *" faults "* ]]; then
+  run_faults
+fi
 
 log "e2e finished in $((SECONDS - started)) s (logs: $OUT)"
 for f in "${FAILURES[@]}"; do log "failed: $f"; done

@@ -26,6 +26,9 @@ pub const SCALE_KEY: &str = "gpumem.io/scale";
 /// Pod labels: the run, and the phase.
 pub const RUN_LABEL: &str = "gpumem.io/scale-run";
 pub const PHASE_LABEL: &str = "gpumem.io/scale-phase";
+/// Nodes that stopped answering: their Leases are not renewed, their status is not posted.
+pub type Silenced = Arc<std::sync::Mutex<std::collections::HashSet<String>>>;
+
 pub const LEASE_NAMESPACE: &str = "kube-node-lease";
 /// As the kubelet: a Lease of 40 s, renewed every 10 s.
 pub const LEASE_SECONDS: i32 = 40;
@@ -202,7 +205,12 @@ async fn renew_lease(leases: &Api<Lease>, name: &str) -> anyhow::Result<()> {
 /// its own schedule, spread over the period, every renewal its own request (a round of 1000
 /// renewals behind a few connections falls more than the Lease's 40 s behind once the API server is
 /// saturated, and the node goes NotReady). `client` should be this loop's own (its own connections).
-pub async fn renew_leases(client: Client, names: Arc<Vec<String>>, failures: Arc<AtomicU64>) {
+pub async fn renew_leases(
+    client: Client,
+    names: Arc<Vec<String>>,
+    silenced: Silenced,
+    failures: Arc<AtomicU64>,
+) {
     if names.is_empty() {
         return;
     }
@@ -211,6 +219,13 @@ pub async fn renew_leases(client: Client, names: Arc<Vec<String>>, failures: Arc
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
     for i in (0..names.len()).cycle() {
         tick.tick().await;
+        if silenced
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .contains(&names[i])
+        {
+            continue;
+        }
         let (leases, name, failures) = (leases.clone(), names[i].clone(), failures.clone());
         tokio::spawn(async move {
             if let Err(err) = renew_lease(&leases, &name).await {
@@ -224,12 +239,14 @@ pub async fn renew_leases(client: Client, names: Arc<Vec<String>>, failures: Arc
 /// Plays the kubelet's status sync: a kubelet posts its node's status again when it differs from
 /// what it computes, so a node the node lifecycle controller marked NotReady (a late Lease) is Ready
 /// again within seconds. Every `period`, each scale node whose Ready condition is not True gets its
-/// status posted again; returns never. `reposted` counts them.
+/// status posted again (unless it is `silenced`: a lost node's kubelet posts nothing); returns never.
+/// `reposted` counts them.
 pub async fn repair_status(
     client: Client,
     models: Arc<HashMap<String, Arc<NodeModel>>>,
     dra: bool,
     period: Duration,
+    silenced: Silenced,
     reposted: Arc<AtomicU64>,
 ) {
     let nodes: Api<Node> = Api::all(client);
@@ -256,7 +273,8 @@ pub async fn repair_status(
                 .as_ref()
                 .and_then(|s| s.conditions.as_ref())
                 .is_some_and(|c| c.iter().any(|c| c.type_ == "Ready" && c.status == "True"));
-            let Some(model) = models.get(name).filter(|_| !ready) else {
+            let lost = silenced.lock().unwrap_or_else(|e| e.into_inner()).contains(name);
+            let Some(model) = models.get(name).filter(|_| !ready && !lost) else {
                 continue;
             };
             match nodes
@@ -337,6 +355,98 @@ pub fn pod(name: &str, run: &str, phase: &str, size: Size) -> anyhow::Result<Pod
         },
     }))
     .context("building the Pod object")
+}
+
+/// Where a fault-phase pod may run: the scale nodes, and the nodes with a real kubelet (`real`).
+fn fault_placement(real: &[String]) -> serde_json::Value {
+    let mut terms = vec![json!({"matchExpressions": [
+        {"key": SCALE_KEY, "operator": "In", "values": ["true"]}]})];
+    if !real.is_empty() {
+        terms.push(json!({"matchExpressions": [
+            {"key": "kubernetes.io/hostname", "operator": "In", "values": real}]}));
+    }
+    json!({"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": terms}}})
+}
+
+/// A pod of the fault phase: as [`pod`], but it may also land on the `real` nodes, where it really runs,
+/// and it may name its scheduler.
+pub fn fault_pod(
+    name: &str,
+    run: &str,
+    phase: &str,
+    size: Size,
+    real: &[String],
+    scheduler: Option<&str>,
+) -> anyhow::Result<Pod> {
+    let mut object = serde_json::to_value(pod(name, run, phase, size)?).context("the Pod object")?;
+    let spec = &mut object["spec"];
+    if let Some(spec) = spec.as_object_mut() {
+        spec.remove("nodeSelector");
+        spec.insert("affinity".into(), fault_placement(real));
+        if let Some(s) = scheduler {
+            spec.insert("schedulerName".into(), s.into());
+        }
+    }
+    serde_json::from_value(object).context("building the Pod object")
+}
+
+/// The label that marks the fault phase's Deployment pods, holding their size.
+pub const OWNED_SIZE_LABEL: &str = "gpumem.io/scale-owned-mib";
+
+/// The fault phase's Deployment: `replicas` pods of `mib` MiB each on the scale nodes that, as a user
+/// who wants them back fast would, tolerate an unreachable or not-ready node for only `tolerate_s`
+/// seconds (the API server's default is 300).
+pub fn deployment(
+    name: &str,
+    run: &str,
+    phase: &str,
+    replicas: i32,
+    mib: u64,
+    tolerate_s: i64,
+) -> anyhow::Result<k8s_openapi::api::apps::v1::Deployment> {
+    let mut template =
+        serde_json::to_value(pod(name, run, phase, Size::Share { mib })?).context("the Pod object")?;
+    let labels = json!({RUN_LABEL: run, PHASE_LABEL: phase, OWNED_SIZE_LABEL: mib.to_string(), "app": name});
+    template["metadata"] = json!({"labels": labels});
+    if let Some(tolerations) = template["spec"]["tolerations"].as_array_mut() {
+        for key in ["node.kubernetes.io/unreachable", "node.kubernetes.io/not-ready"] {
+            tolerations.push(json!({"key": key, "operator": "Exists", "effect": "NoExecute",
+                                    "tolerationSeconds": tolerate_s}));
+        }
+    }
+    serde_json::from_value(json!({
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": {"name": name, "labels": {RUN_LABEL: run}},
+        "spec": {"replicas": replicas, "selector": {"matchLabels": {"app": name}}, "template": template},
+    }))
+    .context("building the Deployment")
+}
+
+/// The size of a pod the fault phase's Deployment made (`None` for any other pod).
+pub fn owned_pod_size(pod: &Pod) -> Option<Size> {
+    let mib = pod
+        .metadata
+        .labels
+        .as_ref()?
+        .get(OWNED_SIZE_LABEL)?
+        .parse()
+        .ok()?;
+    Some(Size::Share { mib })
+}
+
+/// Why a pod failed, if it did: phase Failed (with its reason, e.g. the kubelet's
+/// `UnexpectedAdmissionError` when the device plugin refused its Allocate).
+pub fn failure(pod: &Pod) -> Option<String> {
+    let status = pod.status.as_ref()?;
+    let reason = status.reason.as_deref().unwrap_or("");
+    if status.phase.as_deref() != Some("Failed") && reason != "UnexpectedAdmissionError" {
+        return None;
+    }
+    let message = status.message.as_deref().unwrap_or("");
+    Some(format!(
+        "{}: {message}",
+        if reason.is_empty() { "Failed" } else { reason }
+    ))
 }
 
 /// The DRA driver's name, as the agent publishes it (the chart's default `dra.driverName`).
@@ -591,6 +701,76 @@ mod tests {
         assert_eq!(
             (exactly["count"].as_i64(), exactly.get("capacity")),
             (Some(2), None)
+        );
+    }
+
+    #[test]
+    fn fault_pods_may_land_on_the_real_nodes_and_name_their_scheduler() {
+        let real = vec!["gpu-node-1".to_string()];
+        let p = fault_pod(
+            "f1",
+            "run",
+            "faults",
+            Size::Share { mib: 100 },
+            &real,
+            Some("gpumem-scheduler"),
+        )
+        .unwrap();
+        let spec = p.spec.unwrap();
+        assert!(spec.node_selector.is_none());
+        assert_eq!(spec.scheduler_name.as_deref(), Some("gpumem-scheduler"));
+        let terms = spec
+            .affinity
+            .unwrap()
+            .node_affinity
+            .unwrap()
+            .required_during_scheduling_ignored_during_execution
+            .unwrap()
+            .node_selector_terms;
+        // Terms are ORed: the scale nodes, or the real one by name.
+        let keys: Vec<(String, Vec<String>)> = terms
+            .iter()
+            .map(|t| {
+                let e = &t.match_expressions.as_ref().unwrap()[0];
+                (e.key.clone(), e.values.clone().unwrap())
+            })
+            .collect();
+        assert_eq!(
+            keys,
+            [
+                (SCALE_KEY.to_string(), vec!["true".to_string()]),
+                ("kubernetes.io/hostname".to_string(), real.clone())
+            ]
+        );
+        let d = deployment("d", "run", "faults", 3, 4096, 10).unwrap();
+        let template = d.spec.unwrap().template;
+        let pod = Pod {
+            metadata: template.metadata.unwrap(),
+            spec: template.spec.clone(),
+            status: None,
+        };
+        assert_eq!(owned_pod_size(&pod), Some(Size::Share { mib: 4096 }));
+        let tolerations = template.spec.unwrap().tolerations.unwrap();
+        assert!(
+            tolerations
+                .iter()
+                .any(|t| t.key.as_deref() == Some("node.kubernetes.io/unreachable")
+                    && t.toleration_seconds == Some(10))
+        );
+    }
+
+    #[test]
+    fn a_failed_pod_says_why() {
+        let mut p = pod("p", "run", "faults", Size::Share { mib: 1 }).unwrap();
+        assert_eq!(failure(&p), None);
+        p.status = Some(
+            serde_json::from_value(json!({"phase": "Failed", "reason": "UnexpectedAdmissionError",
+            "message": "Allocate failed"}))
+            .unwrap(),
+        );
+        assert_eq!(
+            failure(&p).as_deref(),
+            Some("UnexpectedAdmissionError: Allocate failed")
         );
     }
 

@@ -12,6 +12,7 @@ mod k8s;
 mod played;
 mod procs;
 mod run;
+mod spread;
 mod stats;
 mod trace;
 
@@ -30,11 +31,13 @@ struct Cli {
 #[derive(Subcommand, Debug)]
 enum Command {
     /// Create the scale nodes and run the phases against the cluster of KUBECONFIG.
-    Run(run::RunArgs),
+    Run(Box<run::RunArgs>),
     /// One SVG of an extender run and an alone run.
     Chart(chart::ChartArgs),
     /// Markdown rows for the README's benchmark table.
     Table(chart::TableArgs),
+    /// One address spreading TCP connections over several backends (a Service, for the fault run).
+    Spread(spread::SpreadArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -51,7 +54,12 @@ fn main() -> std::process::ExitCode {
             .enable_all()
             .build()
             .map_err(anyhow::Error::from)
-            .and_then(|rt| rt.block_on(run::run(args))),
+            .and_then(|rt| rt.block_on(run::run(*args))),
+        Command::Spread(args) => tokio::runtime::Builder::new_multi_thread()
+            .enable_all()
+            .build()
+            .map_err(anyhow::Error::from)
+            .and_then(|rt| rt.block_on(spread::spread(args))),
         Command::Chart(args) => chart::chart(&args),
         Command::Table(args) => chart::table(&args),
     };

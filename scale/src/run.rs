@@ -28,6 +28,9 @@ use crate::procs::{PhaseMeter, ProcessUse, Watched};
 use crate::stats::{self, Latency};
 use crate::trace::{self, Kind, Sampler, Size};
 
+mod faults;
+pub use faults::FaultArgs;
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum Mode {
@@ -112,6 +115,8 @@ pub struct RunArgs {
     pub scorer_pid: Option<u32>,
     #[arg(long, default_value = "gpumem-scale")]
     pub namespace: String,
+    #[command(flatten)]
+    pub faults: FaultArgs,
 }
 
 /// The profile mix: (profile, percent).
@@ -168,6 +173,15 @@ struct Rec {
     gone: bool,
     /// Bound after its phase ended (while its phase's pods were being deleted): not in the phase's results.
     late: bool,
+    /// The fault phase: why the pod failed (phase Failed, or the kubelet's admission refused it), and when
+    /// that was seen.
+    failed: Option<(String, Instant)>,
+    /// kube-scheduler's latest reason for not placing it (the PodScheduled condition's message).
+    unschedulable: Option<String>,
+    /// The fault phase: how long it lives once bound (then it is deleted); `None` = until the end.
+    lifetime: Option<Duration>,
+    /// The fault phase's Deployment owns it.
+    owned: bool,
 }
 
 #[derive(Default)]
@@ -179,13 +193,15 @@ struct Counters {
     gone: AtomicU64,
 }
 
-const PHASES: [&str; 4] = ["steady", "burst", "fill", "saturate"];
+const PHASES: [&str; 5] = ["steady", "burst", "fill", "saturate", "faults"];
+/// The fault phase's index in [`PHASES`].
+const FAULTS: usize = 4;
 
 struct World {
     run: String,
     namespace: String,
     pods: Mutex<HashMap<String, Rec>>,
-    counters: [Counters; 4],
+    counters: [Counters; 5],
     last_bind: Mutex<Option<Instant>>,
     books: Mutex<HashMap<String, NodeBook>>,
     /// Nodes whose usage changed since the last write, and whether room grew.
@@ -196,7 +212,13 @@ struct World {
     publish_errors: AtomicU64,
     current: Mutex<Option<usize>>,
     /// Phases whose results are taken.
-    closed: [AtomicBool; 4],
+    closed: [AtomicBool; 5],
+    /// Nodes with a real kubelet and agent that the fault phase's pods may also land on.
+    real_nodes: Vec<String>,
+    /// The schedulers the fault phase's pods name, in turn.
+    schedulers: Vec<String>,
+    /// Nodes that went silent (the fault phase's lost node): no Lease renewal, no status, no usage.
+    silenced: Arc<Mutex<std::collections::HashSet<String>>>,
     /// The nodes serve DRA: there is no agent to play (the claims carry the allocation).
     dra: bool,
     meter: Mutex<Option<PhaseMeter>>,
@@ -221,10 +243,32 @@ impl World {
         let key = format!("{}/{name}", self.namespace);
         let node = pod.spec.as_ref().and_then(|s| s.node_name.clone());
         let mut pods = lock(&self.pods);
+        if !pods.contains_key(name)
+            && let Some(size) = k8s::owned_pod_size(pod)
+        {
+            // One of the fault phase's Deployment pods, seen for the first time.
+            let mut rec = Rec::new(FAULTS, size, None);
+            rec.owned = true;
+            pods.insert(name.to_string(), rec);
+        }
         let Some(rec) = pods.get_mut(name) else {
             return;
         };
         let counters = &self.counters[rec.phase];
+        let status = pod.status.as_ref();
+        rec.unschedulable = status
+            .and_then(|s| s.conditions.as_ref())
+            .and_then(|c| {
+                c.iter()
+                    .find(|c| c.type_ == "PodScheduled" && c.status == "False")
+            })
+            .map(|c| c.message.clone().unwrap_or_default());
+        if rec.failed.is_none()
+            && let Some(why) = k8s::failure(pod)
+        {
+            tracing::warn!(pod = %key, why = %why, "pod failed");
+            rec.failed = Some((why, Instant::now()));
+        }
         if rec.t1.is_none()
             && let Some(node) = node
         {
@@ -285,6 +329,9 @@ async fn publish(world: Arc<World>, client: Client) {
                     }
                     room.get(&name).copied()
                 };
+                if lock(&world.silenced).contains(&name) {
+                    return None; // a lost node's agent writes nothing
+                }
                 let books = lock(&world.books);
                 let book = books.get(&name)?;
                 let usage = book.usage();
@@ -365,18 +412,8 @@ async fn progress(world: Arc<World>, started: Instant) {
     }
 }
 
-/// Creates one pod; t0 is taken just before the request goes out.
-async fn create_one(world: &World, pods: &Api<Pod>, phase: usize, name: String, size: Size) {
-    let build = if world.dra { k8s::claim_pod } else { k8s::pod };
-    let object = match build(&name, &world.run, PHASES[phase], size) {
-        Ok(o) => o,
-        Err(err) => {
-            tracing::error!(error = %err, "cannot build a pod");
-            return;
-        }
-    };
-    lock(&world.pods).insert(
-        name.clone(),
+impl Rec {
+    fn new(phase: usize, size: Size, lifetime: Option<Duration>) -> Self {
         Rec {
             phase,
             size,
@@ -388,8 +425,52 @@ async fn create_one(world: &World, pods: &Api<Pod>, phase: usize, name: String, 
             error: None,
             gone: false,
             late: false,
-        },
-    );
+            failed: None,
+            unschedulable: None,
+            lifetime,
+            owned: false,
+        }
+    }
+}
+
+/// Creates one pod; t0 is taken just before the request goes out. In the fault phase it may also
+/// land on the real nodes, and it is deleted `lifetime` after it is bound.
+async fn create_one(
+    world: &World,
+    pods: &Api<Pod>,
+    phase: usize,
+    name: String,
+    size: Size,
+    lifetime: Option<Duration>,
+) {
+    let built = if world.dra {
+        k8s::claim_pod(&name, &world.run, PHASES[phase], size)
+    } else if phase == FAULTS {
+        // Pods name the schedulers in turn, by the number in their name.
+        let n: usize = name.rsplit('-').next().and_then(|d| d.parse().ok()).unwrap_or(0);
+        let scheduler = world
+            .schedulers
+            .get(n % world.schedulers.len().max(1))
+            .map(String::as_str);
+        k8s::fault_pod(
+            &name,
+            &world.run,
+            PHASES[phase],
+            size,
+            &world.real_nodes,
+            scheduler,
+        )
+    } else {
+        k8s::pod(&name, &world.run, PHASES[phase], size)
+    };
+    let object = match built {
+        Ok(o) => o,
+        Err(err) => {
+            tracing::error!(error = %err, "cannot build a pod");
+            return;
+        }
+    };
+    lock(&world.pods).insert(name.clone(), Rec::new(phase, size, lifetime));
     let counters = &world.counters[phase];
     if world.dra {
         let claims: Api<ResourceClaim> = Api::namespaced(pods.clone().into_client(), &world.namespace);
@@ -570,6 +651,8 @@ pub struct Summary {
     pub lease_renewal_failures: u64,
     /// Times a scale node was found not Ready and its status posted again (as its kubelet would).
     pub node_status_reposted: u64,
+    /// The fault phase: one row per fault.
+    pub faults: Vec<faults::FaultRow>,
 }
 
 fn summarize(
@@ -734,6 +817,9 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         publish_errors: AtomicU64::new(0),
         current: Mutex::new(None),
         closed: Default::default(),
+        real_nodes: args.faults.real_nodes.clone(),
+        schedulers: args.faults.fault_schedulers.clone(),
+        silenced: Arc::new(Mutex::new(std::collections::HashSet::new())),
         meter: Mutex::new(None),
         dra: args.mode.dra(),
     });
@@ -767,6 +853,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     tokio::spawn(k8s::renew_leases(
         lease_client.clone(),
         all_names,
+        world.silenced.clone(),
         lease_failures.clone(),
     ));
     let by_name: HashMap<String, Arc<NodeModel>> = names
@@ -780,6 +867,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         Arc::new(by_name.clone()),
         dra,
         Duration::from_secs(10),
+        world.silenced.clone(),
         reposted.clone(),
     ));
     let deadline = Instant::now() + Duration::from_secs(300);
@@ -840,7 +928,9 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         for i in 0..n {
             tokio::time::sleep_until((t + stats::due(i, args.rate)).into()).await;
             let (world, pods, size) = (world.clone(), pods.clone(), sampler.next_size());
-            tasks.spawn(async move { create_one(&world, &pods, 0, format!("steady-{i:06}"), size).await });
+            tasks.spawn(
+                async move { create_one(&world, &pods, 0, format!("steady-{i:06}"), size, None).await },
+            );
         }
         while tasks.join_next().await.is_some() {}
         phases.close(0, t, Duration::ZERO).await?;
@@ -922,6 +1012,24 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     } else {
         None
     };
+    // h. faults: pods keep coming while faults are injected.
+    let fault_rows = if args.faults.faults.is_empty() {
+        Vec::new()
+    } else {
+        let t = phases.begin(FAULTS);
+        let total_mib: u64 = by_name.values().map(|m| m.total_mib()).sum();
+        let rows = faults::run_faults(
+            &world,
+            &client,
+            sampler,
+            &args.faults,
+            total_mib,
+            &args.out.join("faults.log"),
+        )
+        .await?;
+        phases.close(FAULTS, t, Duration::ZERO).await?;
+        rows
+    };
     let Phases {
         done: phases,
         ready_log,
@@ -961,12 +1069,22 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         nodes_ready: ready_log,
         lease_renewal_failures: lease_failures.load(Ordering::Relaxed),
         node_status_reposted: reposted.load(Ordering::Relaxed),
+        faults: fault_rows,
     };
     let path = args.out.join("summary.json");
     std::fs::write(&path, serde_json::to_string_pretty(&summary)? + "\n")
         .with_context(|| format!("writing {}", path.display()))?;
     write_pods_csv(&world, &args.out.join("pods.csv"))?;
     print!("{}", render(&summary));
+    let failed: Vec<&str> = summary
+        .faults
+        .iter()
+        .filter(|r| !r.ok)
+        .map(|r| r.fault.as_str())
+        .collect();
+    if !failed.is_empty() {
+        bail!("faults whose cost is over the bar: {}", failed.join(", "));
+    }
     Ok(())
 }
 
@@ -1019,7 +1137,7 @@ async fn create_all(
 ) {
     futures_util::stream::iter(sizes.into_iter().enumerate())
         .for_each_concurrent(limit, |(i, size)| async move {
-            create_one(world, pods, phase, format!("{prefix}-{i:06}"), size).await;
+            create_one(world, pods, phase, format!("{prefix}-{i:06}"), size, None).await;
         })
         .await;
 }
@@ -1135,6 +1253,12 @@ pub fn render(s: &Summary) -> String {
         s.lease_renewal_failures,
         s.node_status_reposted
     );
+    if !s.faults.is_empty() {
+        let _ = writeln!(out, "\nfaults:");
+        for r in &s.faults {
+            let _ = writeln!(out, "  {}", faults::render_row(r));
+        }
+    }
     if let Some(sat) = &s.saturation {
         let _ = writeln!(
             out,

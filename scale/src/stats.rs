@@ -53,6 +53,25 @@ pub fn throughput(count: usize, span: Duration) -> Option<f64> {
     (count > 0 && s > 0.0).then(|| count as f64 / s)
 }
 
+/// When the placement rate came back: the start of the first `window_s` window (stepping by 1 s from 0,
+/// ending by `now_s`) holding at least 80% of `baseline_per_s` × `window_s` of the `times` (seconds from
+/// the fault's end). `None`: not yet.
+pub fn recovered_after(times: &[f64], baseline_per_s: f64, window_s: f64, now_s: f64) -> Option<f64> {
+    let need = (0.8 * baseline_per_s * window_s).ceil() as usize;
+    let mut start = 0.0;
+    while start + window_s <= now_s {
+        let n = times
+            .iter()
+            .filter(|&&t| t >= start && t < start + window_s)
+            .count();
+        if n >= need {
+            return Some(start);
+        }
+        start += 1.0;
+    }
+    None
+}
+
 /// How many events fall in each whole second (from 0) of the offsets given (seconds).
 pub fn per_second(offsets_s: &[f64]) -> Vec<u64> {
     let Some(last) = offsets_s.iter().copied().filter(|x| *x >= 0.0).reduce(f64::max) else {
@@ -102,6 +121,21 @@ mod tests {
         let l = Latency::of(&[5.0, 1.0, 3.0, 2.0, 4.0]).unwrap();
         assert_eq!((l.count, l.p50_ms, l.p95_ms, l.max_ms), (5, 3.0, 5.0, 5.0));
         assert!(Latency::of(&[]).is_none());
+    }
+
+    #[test]
+    fn recovery_is_the_first_window_back_near_the_baseline() {
+        // 10/s before; nothing for 12 s after the end; then 10/s again.
+        let times: Vec<f64> = (0..300)
+            .map(|i| i as f64 / 10.0 - 5.0)
+            .filter(|t| *t < 0.0 || *t >= 12.0)
+            .collect();
+        assert_eq!(recovered_after(&times, 10.0, 5.0, 10.0), None);
+        // The window [8, 13) holds 10 (< 40 needed); [11, 16) holds 40.
+        assert_eq!(recovered_after(&times, 10.0, 5.0, 30.0), Some(11.0));
+        // Nothing to come back to: at once.
+        assert_eq!(recovered_after(&[], 0.0, 5.0, 5.0), Some(0.0));
+        assert_eq!(recovered_after(&[], 0.0, 5.0, 4.0), None);
     }
 
     #[test]
