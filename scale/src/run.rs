@@ -1,7 +1,7 @@
 //! `gpumem-scale run`: the scale nodes, the played agent, and the phases (steady, burst, fill), with
 //! latencies and the processes' CPU and memory.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt::Write as _;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -299,14 +299,41 @@ impl World {
             }
             rec.node = Some(node);
         }
-        if deleted && !rec.gone {
-            rec.gone = true;
-            counters.gone.fetch_add(1, Ordering::Relaxed);
-            if let Some(node) = &rec.node
-                && lock(&self.books).get_mut(node).is_some_and(|b| b.release(&key))
-            {
-                lock(&self.dirty).insert(node.clone(), true);
+        if deleted {
+            self.forget(name, rec);
+        }
+    }
+
+    /// A pod that is gone: its GPUs go back to its node's book.
+    fn forget(&self, name: &str, rec: &mut Rec) {
+        if rec.gone {
+            return;
+        }
+        rec.gone = true;
+        self.counters[rec.phase].gone.fetch_add(1, Ordering::Relaxed);
+        let key = format!("{}/{name}", self.namespace);
+        if let Some(node) = &rec.node
+            && lock(&self.books).get_mut(node).is_some_and(|b| b.release(&key))
+        {
+            lock(&self.dirty).insert(node.clone(), true);
+        }
+    }
+
+    /// The end of a relist (a watch that expired, as after an API server restart): a pod bound before it
+    /// and not in it was deleted meanwhile, and no Delete event will say so.
+    fn on_relisted(&self, listed: &HashSet<String>) {
+        let mut pods = lock(&self.pods);
+        for (name, rec) in pods.iter_mut() {
+            if rec.node.is_some() && !listed.contains(name) {
+                self.forget(name, rec);
             }
+        }
+    }
+
+    /// A pod the API server no longer has (a delete answered 404).
+    fn forget_named(&self, name: &str) {
+        if let Some(rec) = lock(&self.pods).get_mut(name) {
+            self.forget(name, rec);
         }
     }
 }
@@ -365,16 +392,22 @@ async fn watch_pods(world: Arc<World>, client: Client, synced: tokio::sync::ones
     let config = watcher::Config::default().labels(&format!("{RUN_LABEL}={}", world.run));
     let mut stream = std::pin::pin!(watcher(pods, config));
     let mut synced = Some(synced);
+    let mut listed = HashSet::new();
     while let Some(event) = stream.next().await {
         match event {
-            Ok(watcher::Event::Apply(p) | watcher::Event::InitApply(p)) => world.on_pod(&p, false),
+            Ok(watcher::Event::Apply(p)) => world.on_pod(&p, false),
+            Ok(watcher::Event::InitApply(p)) => {
+                listed.extend(p.metadata.name.clone());
+                world.on_pod(&p, false);
+            }
             Ok(watcher::Event::Delete(p)) => world.on_pod(&p, true),
             Ok(watcher::Event::InitDone) => {
+                world.on_relisted(&std::mem::take(&mut listed));
                 if let Some(s) = synced.take() {
                     let _ = s.send(());
                 }
             }
-            Ok(watcher::Event::Init) => {}
+            Ok(watcher::Event::Init) => listed.clear(),
             Err(err) => {
                 tracing::warn!(error = %err, "pod watch failed; it restarts");
                 tokio::time::sleep(Duration::from_secs(1)).await;
@@ -1272,6 +1305,65 @@ pub fn render(s: &Summary) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use gpumem_profile::Profile;
+
+    fn world_with(node: &str, profile: &str) -> World {
+        let inv = GpuInventory::discover(&Profile::load(profile).unwrap()).unwrap();
+        World {
+            run: "r".into(),
+            namespace: "ns".into(),
+            pods: Mutex::new(HashMap::new()),
+            counters: Default::default(),
+            last_bind: Mutex::new(None),
+            books: Mutex::new(HashMap::from([(
+                node.to_string(),
+                NodeBook::new(Arc::new(NodeModel::new(profile, inv))),
+            )])),
+            dirty: Mutex::new(HashMap::new()),
+            room: Mutex::new(HashMap::new()),
+            published: AtomicU64::new(0),
+            publish_errors: AtomicU64::new(0),
+            current: Mutex::new(None),
+            closed: Default::default(),
+            real_nodes: Vec::new(),
+            schedulers: Vec::new(),
+            silenced: Arc::new(Mutex::new(HashSet::new())),
+            dra: false,
+            meter: Mutex::new(None),
+        }
+    }
+
+    fn bind(world: &World, name: &str, node: &str) -> bool {
+        let size = Size::Share { mib: 15000 };
+        lock(&world.pods).insert(name.into(), Rec::new(FAULTS, size, None));
+        let pod: Pod = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": name, "namespace": "ns"},
+            "spec": {"nodeName": node, "containers": []}
+        }))
+        .unwrap();
+        world.on_pod(&pod, false);
+        !lock(&world.pods)[name].misfit
+    }
+
+    #[test]
+    fn a_relist_without_a_bound_pod_gives_its_gpu_back() {
+        // t4x4: four T4s of 15360 MiB, one 15000 MiB pod each.
+        let world = world_with("n1", "t4x4");
+        for i in 0..4 {
+            assert!(bind(&world, &format!("p{i}"), "n1"), "p{i} fits");
+        }
+        assert!(!bind(&world, "p4", "n1"), "a fifth finds no GPU");
+        // The watch expired (an API server restart) and p0 was deleted meanwhile: the relist lacks it.
+        world.on_relisted(&["p1", "p2", "p3", "p4"].map(String::from).into());
+        assert!(lock(&world.pods)["p0"].gone);
+        assert!(!lock(&world.pods)["p1"].gone);
+        assert!(bind(&world, "p5", "n1"), "p0's GPU is free again");
+        world.forget_named("p5");
+        assert!(
+            bind(&world, "p6", "n1"),
+            "so is p5's, gone by a delete answered 404"
+        );
+    }
 
     #[test]
     fn profile_mix_adds_up() {

@@ -252,10 +252,13 @@ async fn reap(world: Arc<World>, pods: Api<Pod>, give_up: Duration, stop: Arc<At
             sent.insert(name.clone(), now);
         }
         sent.retain(|_, t| now - *t < Duration::from_secs(60));
-        let (pods, params) = (&pods, &params);
+        let (pods, params, world) = (&pods, &params, &world);
         futures_util::StreamExt::for_each_concurrent(futures_util::stream::iter(due), 16, |n| async move {
-            if let Err(err) = pods.delete(&n, params).await {
-                tracing::debug!(pod = %n, error = %err, "delete failed; sent again later");
+            match pods.delete(&n, params).await {
+                // Deleted while the watch was away (an API server restart): no event will say so.
+                Err(kube::Error::Api(e)) if e.code == 404 => world.forget_named(&n),
+                Err(err) => tracing::debug!(pod = %n, error = %err, "delete failed; sent again later"),
+                Ok(_) => {}
             }
         })
         .await;
