@@ -774,8 +774,9 @@ async fn a_booking_whose_pod_is_gone_holds_no_room() {
     // GPU 0 has 6000 MiB free, GPU 1 2000. Another replica booked 5000 MiB of GPU 0 for a pod that then
     // left (deleted within the TTL): once the booking is past its settling time and the pod cache does
     // not show the pod on the node, the room is free again, and the next write drops the booking.
-    // A booking still settling holds its room.
-    for (age_s, expect_bound) in [(30, true), (2, false)] {
+    // A booking still settling holds its room, and so does one past it while the pod watch is failing
+    // (after an API server restart the cache lacked binds made since, for up to 30 s).
+    for (age_s, watch_failed, expect_bound) in [(30, false, true), (2, false, false), (30, true, false)] {
         let node = node_json("n", &[g(16384, 10384), g(16384, 14384)]);
         let api = Arc::new(FakeApi::default());
         api.add_node(&node);
@@ -789,11 +790,15 @@ async fn a_booking_whose_pod_is_gone_holds_no_room() {
                          "annotations": {"gpumem.io/bookings": booked.to_string()}},
             "spec": {}
         }));
+        let pods = PodCache::from_pods(std::iter::empty::<Pod>());
+        if watch_failed {
+            pods.watch_failed();
+        }
         let (addr, _) = start(Scorer::new(
             ScorerConfig::default(),
             Some(fake_api(api.clone()).await),
             None,
-            Some(PodCache::from_pods(std::iter::empty::<Pod>())),
+            Some(pods),
         ))
         .await;
         let (_, r) = post_json(addr, "/bind", &bind_args("p1", "n")).await;

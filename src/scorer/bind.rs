@@ -257,10 +257,12 @@ impl Scorer {
     /// What of `read` (a node's bookings) still holds room, less `pod`'s own ([`bookings::kept`]).
     fn live_bookings(&self, node_name: &str, read: &[Booking], pod: &str) -> Vec<Booking> {
         let shown = |b: &Booking| self.node_shows(node_name, &b.pod);
-        // Without a pod cache nothing is known: bookings then last until the TTL.
+        // Without a pod cache, or while its watch is failing (it may lack the pod's bind: an API
+        // server that restarted), nothing is known: bookings then last until the TTL.
         let bound: Option<Vec<Box<str>>> = self
             .pods
             .as_ref()
+            .filter(|p| p.following())
             .map(|p| p.with_node(node_name, |on| on.iter().map(|r| r.key.clone()).collect()));
         let known = |b: &Booking| {
             bound
@@ -384,6 +386,15 @@ impl Scorer {
         });
         // Decided: the pod counts in the learned mix from the next decision on.
         self.workload.observe(d, d.memory_mib(node.unit_mib));
+        if let Ok(r) = &r {
+            tracing::debug!(
+                gpus = ?r.gpus,
+                node_version = %node.resource_version,
+                other_replicas_binds = seen.len(),
+                bookings = booked.len(),
+                "reserved"
+            );
+        }
         r
     }
 

@@ -5,6 +5,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, OnceLock, RwLock};
+use std::time::Duration;
 
 use k8s_openapi::api::core::v1::Node;
 use kube::runtime::{WatchStreamExt, watcher};
@@ -13,24 +14,39 @@ use tokio_stream::StreamExt;
 
 use super::state::NodeSnapshot;
 
+/// The longest a watch waits before it tries the API server again. kube's default (30 s, client-go's)
+/// kept the caches frozen for up to half a minute after a 30 s API server outage, while binds went on
+/// against them; two replicas' caches are a small load to relist.
+const MAX_BACKOFF: Duration = Duration::from_secs(5);
+
 /// Feeds each event of a watch of every `K` (narrowed by `config`) to `apply`, on a task of its own,
-/// for as long as the process runs. The watcher relists and retries with backoff; errors are logged.
+/// for as long as the process runs, and calls `failed` when a request fails (the cache may then miss
+/// events until the watcher, backing off up to [`MAX_BACKOFF`], has listed again). Errors are logged.
 pub(super) fn follow<K>(
     client: Client,
     config: watcher::Config,
     what: &'static str,
     apply: impl Fn(&watcher::Event<K>) + Send + 'static,
+    failed: impl Fn() + Send + 'static,
 ) where
     K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug + Send + 'static,
     K::DynamicType: Default,
 {
-    let stream = watcher(Api::<K>::all(client), config).default_backoff();
+    let backoff = backon::ExponentialBuilder::default()
+        .with_min_delay(Duration::from_millis(500))
+        .with_max_delay(MAX_BACKOFF)
+        .with_jitter()
+        .without_max_times();
+    let stream = watcher(Api::<K>::all(client), config).backoff(watcher::ExponentialBackoff::from(backoff));
     tokio::spawn(async move {
         let mut stream = std::pin::pin!(stream);
         while let Some(event) = stream.next().await {
             match event {
                 Ok(event) => apply(&event),
-                Err(e) => tracing::warn!("{what} watch: {e}"),
+                Err(e) => {
+                    failed();
+                    tracing::warn!("{what} watch: {e}");
+                }
             }
         }
     });
@@ -92,7 +108,14 @@ impl NodeCache {
     pub fn start(client: Client) -> Arc<NodeCache> {
         let cache = Arc::new(NodeCache::empty());
         let feed = cache.clone();
-        follow::<Node>(client, watcher::Config::default(), "node", move |e| feed.apply(e));
+        // A stale annotation only shows fewer pods: nothing to do when the watch fails.
+        follow::<Node>(
+            client,
+            watcher::Config::default(),
+            "node",
+            move |e| feed.apply(e),
+            || (),
+        );
         cache
     }
 

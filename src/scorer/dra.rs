@@ -541,6 +541,7 @@ impl Placer {
             watcher::Config::default(),
             "resourceslice",
             move |e| me.on_slice(e),
+            || (),
         );
         let me = Arc::clone(self);
         super::cache::follow::<ResourceClaim>(
@@ -548,12 +549,17 @@ impl Placer {
             watcher::Config::default(),
             "resourceclaim",
             move |e| me.on_claim(e),
+            || (),
         );
         let me = Arc::clone(self);
         let unscheduled = watcher::Config::default().fields("spec.nodeName=");
-        super::cache::follow::<Pod>(client.clone(), unscheduled, "unscheduled pod", move |e| {
-            me.on_pod(e)
-        });
+        super::cache::follow::<Pod>(
+            client.clone(),
+            unscheduled,
+            "unscheduled pod",
+            move |e| me.on_pod(e),
+            || (),
+        );
     }
 
     fn on_slice(&self, event: &watcher::Event<ResourceSlice>) {

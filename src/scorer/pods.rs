@@ -4,6 +4,7 @@
 //! indexed by UID and by node, so neither scans every pod of the cluster.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock, RwLock};
 
 use k8s_openapi::api::core::v1::Pod;
@@ -150,6 +151,9 @@ type OnDelete = Box<dyn Fn(&PodRecord) + Send + Sync>;
 pub struct PodCache {
     index: RwLock<Index>,
     synced: Synced,
+    /// False from a failed watch request until the watch has listed again or sent an event: the
+    /// cache may lack binds and deletions meanwhile.
+    following: AtomicBool,
     on_delete: OnceLock<OnDelete>,
 }
 
@@ -158,6 +162,7 @@ impl PodCache {
         PodCache {
             index: RwLock::new(Index::default()),
             synced: Synced::new(synced),
+            following: AtomicBool::new(true),
             on_delete: OnceLock::new(),
         }
     }
@@ -167,7 +172,14 @@ impl PodCache {
         let config = watcher::Config::default().fields("spec.nodeName!=");
         let cache = Arc::new(PodCache::empty(false));
         let feed = cache.clone();
-        super::cache::follow::<Pod>(client, config, "pod", move |e| feed.apply(e));
+        let broken = cache.clone();
+        super::cache::follow::<Pod>(
+            client,
+            config,
+            "pod",
+            move |e| feed.apply(e),
+            move || broken.watch_failed(),
+        );
         cache
     }
 
@@ -190,8 +202,24 @@ impl PodCache {
         self.index.read().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// The watch failed: until it has listed again, what the cache lacks is unknown.
+    pub fn watch_failed(&self) {
+        self.following.store(false, Ordering::Relaxed);
+    }
+
+    /// Whether the cache is following the API server now (see [`PodCache::watch_failed`]).
+    pub fn following(&self) -> bool {
+        self.following.load(Ordering::Relaxed)
+    }
+
     /// Applies one watch event.
     pub fn apply(&self, event: &watcher::Event<Pod>) {
+        if matches!(
+            event,
+            watcher::Event::InitDone | watcher::Event::Apply(_) | watcher::Event::Delete(_)
+        ) {
+            self.following.store(true, Ordering::Relaxed);
+        }
         let gone: Vec<Arc<PodRecord>> = match event {
             watcher::Event::Init => {
                 self.write().relist = Some(HashSet::new());
@@ -314,6 +342,18 @@ mod tests {
         let mut unbound = pod("u2", "p2", "n1");
         unbound.spec.as_mut().expect("spec").node_name = None;
         assert!(PodRecord::from_pod(&unbound).is_none());
+    }
+
+    #[test]
+    fn a_failed_watch_is_followed_again_once_it_has_listed() {
+        let cache = PodCache::from_pods(std::iter::empty::<Pod>());
+        assert!(cache.following());
+        cache.watch_failed();
+        assert!(!cache.following());
+        cache.apply(&watcher::Event::Init);
+        assert!(!cache.following(), "a relist under way may still lack pods");
+        cache.apply(&watcher::Event::InitDone);
+        assert!(cache.following());
     }
 
     #[test]
