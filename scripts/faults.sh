@@ -164,7 +164,7 @@ sharedBookings: $([ "${GPUMEM_FAULTS_SHARED:-1}" == 0 ] && echo false || echo tr
 YAML
 for i in 0 1; do
   replica=$([ $i == 0 ] && echo a || echo b)
-  supervise "scorer-$replica" env KUBECONFIG="$RUN_OUT/scorer.kubeconfig" RUST_LOG=info \
+  supervise "scorer-$replica" env KUBECONFIG="$RUN_OUT/scorer.kubeconfig" RUST_LOG=${GPUMEM_FAULTS_SCORER_LOG:-info} \
     POD_NAME="gpumem-scorer-$replica" POD_NAMESPACE=gpumem-system \
     "$BIN/gpumem" scorer --listen "${REPLICA_PROBES[$i]}" --tls-listen "${REPLICA_TLS[$i]}" \
     --config "$RUN_OUT/scorer.yaml"

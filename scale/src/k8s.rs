@@ -625,13 +625,23 @@ pub async fn count_pods(pods: &Api<Pod>, selector: &str) -> anyhow::Result<usize
     Ok(list.items.len())
 }
 
-/// Collects every page (for the node count at start).
+/// Collects every page (for the node count at start). The first request of a run: a kube-apiserver
+/// just started may still answer 500 (its etcd client's `unexpected EOF`), so it is tried 5 times.
 pub async fn all_node_names(client: &Client) -> anyhow::Result<Vec<String>> {
     let nodes: Api<Node> = Api::all(client.clone());
-    let list = nodes
-        .list_metadata(&ListParams::default().labels(&format!("{SCALE_KEY}=true")))
-        .await
-        .context("listing nodes")?;
+    let params = ListParams::default().labels(&format!("{SCALE_KEY}=true"));
+    let mut attempt = 1;
+    let list = loop {
+        match nodes.list_metadata(&params).await {
+            Ok(list) => break list,
+            Err(kube::Error::Api(e)) if e.code >= 500 && attempt < 5 => {
+                tracing::warn!(attempt, error = %e, "listing nodes failed; trying again in 1 s");
+                attempt += 1;
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+            Err(e) => return Err(e).context("listing nodes"),
+        }
+    };
     Ok(list.items.into_iter().filter_map(|n| n.metadata.name).collect())
 }
 

@@ -285,7 +285,12 @@ impl World {
                 .map(String::as_str);
             let mut books = lock(&self.books);
             if let Some(book) = books.get_mut(&node).filter(|_| !self.dra) {
-                match book.bind(&key, rec.size, assigned) {
+                let outcome = book.bind(&key, rec.size, assigned);
+                if matches!(outcome, Outcome::Misfit | Outcome::Placed { followed: false, .. }) {
+                    let held = serde_json::to_string(&book.usage()).unwrap_or_default();
+                    tracing::warn!(pod = %key, node = %node, ?assigned, %held, "the scorer's GPUs are not free in the agent's book");
+                }
+                match outcome {
                     Outcome::Placed { followed, .. } => {
                         rec.followed = followed;
                         lock(&self.dirty).entry(node.clone()).or_insert(false);

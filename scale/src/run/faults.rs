@@ -119,7 +119,8 @@ pub struct FaultRow {
     pub detail: String,
     /// From injection to the command's exit (node lost: until the Deployment's pods were all placed again).
     pub fault_s: f64,
-    /// Bindings per second over the baseline seconds before the fault.
+    /// Bindings per second over the baseline seconds before the fault, at most those before the first
+    /// fault.
     pub baseline_per_s: f64,
     /// Pods created from the fault's start to the row's end, and of those, bound.
     pub offered: usize,
@@ -280,6 +281,17 @@ fn has_reason(r: &Rec) -> bool {
     r.unschedulable.as_deref().is_some_and(|m| !m.is_empty())
 }
 
+/// Pods waiting unbound for over 10 s that no scheduler has given a reason for yet.
+fn unseen_by_schedulers(world: &World) -> usize {
+    let now = Instant::now();
+    lock(&world.pods)
+        .values()
+        .filter(|r| r.phase == FAULTS && !r.gone && r.t1.is_none())
+        .filter(|r| r.failed.is_none() && r.error.is_none() && !has_reason(r))
+        .filter(|r| now - r.t0 > Duration::from_secs(10))
+        .count()
+}
+
 /// Every 2 s, the GPUs that any node's usage annotation shows over capacity.
 async fn watch_capacity(client: Client, over: OverCapacity, stop: Arc<AtomicBool>) {
     let nodes: Api<Node> = Api::all(client);
@@ -410,8 +422,9 @@ pub async fn run_faults(
     if args.fault_together && faults.len() > 1 {
         sets.push(("all together".into(), faults.clone()));
     }
-    for (name, set) in sets {
-        let row = one_fault(world, &pods, args, &loops, &name, &set, log).await;
+    let mut steady = None;
+    for fault in &sets {
+        let row = one_fault(world, &pods, args, &loops, fault, log, &mut steady).await;
         eprintln!("{}", render_row(&row));
         rows.push(row);
     }
@@ -456,19 +469,22 @@ async fn one_fault(
     pods: &Api<Pod>,
     args: &FaultArgs,
     loops: &Loops,
-    name: &str,
-    set: &[Fault],
+    (name, set): &(String, Vec<Fault>),
     log: &std::path::Path,
+    steady: &mut Option<f64>,
 ) -> FaultRow {
     tokio::time::sleep(Duration::from_secs_f64(args.fault_baseline)).await;
     let start = Instant::now();
     let before = bindings_since(world, start);
-    let baseline = before
+    let recent = before
         .iter()
         .filter(|&&t| t >= -args.fault_baseline && t < 0.0)
         .count() as f64
         / args.fault_baseline.max(1.0);
-    eprintln!("faults: {name} starts (baseline {baseline:.1} bindings/s)");
+    // The rate to come back to: the one before this fault, but never above the one before the first
+    // fault (the seconds after a fault place its backlog at a rate the steady load never asks for).
+    let baseline = recent.min(*steady.get_or_insert(recent));
+    eprintln!("faults: {name} starts (baseline {baseline:.1} bindings/s; {recent:.1} just before it)");
     let mut details = Vec::new();
     let runs = set.iter().map(|f| {
         let (world, pods) = (world.clone(), pods.clone());
@@ -489,11 +505,18 @@ async fn one_fault(
     let end = Instant::now();
     // Recovery: the first window of RECOVERY_WINDOW from the fault's end whose rate is back to 80% of the
     // baseline (a burst of pods placed at once, then a stall, is not a recovery).
+    // The row goes on while pods wait that no scheduler has looked at yet (one that restarted waits
+    // for its leader Lease): they get their chance before they count as pending without a reason.
     let mut recovered = None;
-    while recovered.is_none() && end.elapsed().as_secs_f64() < args.fault_observe {
+    while (recovered.is_none() || unseen_by_schedulers(world) > 0)
+        && end.elapsed().as_secs_f64() < args.fault_observe
+    {
         tokio::time::sleep(Duration::from_secs(1)).await;
-        let times = bindings_since(world, end);
-        recovered = stats::recovered_after(&times, baseline, RECOVERY_WINDOW, end.elapsed().as_secs_f64());
+        if recovered.is_none() {
+            let times = bindings_since(world, end);
+            let elapsed = end.elapsed().as_secs_f64();
+            recovered = stats::recovered_after(&times, baseline, RECOVERY_WINDOW, elapsed);
+        }
     }
     // Pods of the fault's aftermath that are still settling get a few more seconds.
     tokio::time::sleep(Duration::from_secs(5)).await;
