@@ -26,6 +26,8 @@
 #   GPUMEM_FAULTS_SHARED  0: the scorers run with sharedBookings false (to measure what the bookings prevent)
 #   GPUMEM_FAULTS_SPLIT   1: each scheduler calls its own replica directly, not the spreading address (the
 #                         case where two replicas bind onto the same nodes all the time)
+#   GPUMEM_FAULTS_SCORER_LOG  the scorers' RUST_LOG (info; `info,gpumem::scorer::bind=debug` logs each
+#                         bind's choice)
 #   GPUMEM_SCALE_TRACE    the openb pod list (../shared/traces/openb/openb_pod_list_default.csv)
 # Exits non-zero when a row is over the bar: a pod failed for GPU reasons, a GPU over capacity, a pod
 # pending with no reason, or the placement rate not back within 60 s of the fault's end (90 s in the
