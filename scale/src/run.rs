@@ -218,7 +218,7 @@ struct World {
     /// The schedulers the fault phase's pods name, in turn.
     schedulers: Vec<String>,
     /// Nodes that went silent (the fault phase's lost node): no Lease renewal, no status, no usage.
-    silenced: Arc<Mutex<std::collections::HashSet<String>>>,
+    silenced: Arc<Mutex<HashSet<String>>>,
     /// The nodes serve DRA: there is no agent to play (the claims carry the allocation).
     dra: bool,
     meter: Mutex<Option<PhaseMeter>>,
@@ -235,6 +235,35 @@ fn unix_millis() -> u128 {
 }
 
 impl World {
+    fn new(
+        run: String,
+        namespace: String,
+        books: HashMap<String, NodeBook>,
+        real_nodes: Vec<String>,
+        schedulers: Vec<String>,
+        dra: bool,
+    ) -> World {
+        World {
+            run,
+            namespace,
+            pods: Mutex::new(HashMap::new()),
+            counters: Default::default(),
+            last_bind: Mutex::new(None),
+            books: Mutex::new(books),
+            dirty: Mutex::new(HashMap::new()),
+            room: Mutex::new(HashMap::new()),
+            published: AtomicU64::new(0),
+            publish_errors: AtomicU64::new(0),
+            current: Mutex::new(None),
+            closed: Default::default(),
+            real_nodes,
+            schedulers,
+            silenced: Arc::new(Mutex::new(HashSet::new())),
+            dra,
+            meter: Mutex::new(None),
+        }
+    }
+
     /// A watch event about one of the run's pods.
     fn on_pod(&self, pod: &Pod, deleted: bool) {
         let Some(name) = pod.metadata.name.as_deref() else {
@@ -836,31 +865,19 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     k8s::ensure_namespace(&client, &args.namespace).await?;
 
     let run_id = format!("{}-{}", args.mode.as_str(), unix_millis() / 1000);
-    let world = Arc::new(World {
-        run: run_id,
-        namespace: args.namespace.clone(),
-        pods: Mutex::new(HashMap::new()),
-        counters: Default::default(),
-        last_bind: Mutex::new(None),
-        books: Mutex::new(
-            names
-                .iter()
-                .zip(&assignment)
-                .map(|(n, &m)| (n.clone(), NodeBook::new(models[m].clone())))
-                .collect(),
-        ),
-        dirty: Mutex::new(HashMap::new()),
-        room: Mutex::new(HashMap::new()),
-        published: AtomicU64::new(0),
-        publish_errors: AtomicU64::new(0),
-        current: Mutex::new(None),
-        closed: Default::default(),
-        real_nodes: args.faults.real_nodes.clone(),
-        schedulers: args.faults.fault_schedulers.clone(),
-        silenced: Arc::new(Mutex::new(std::collections::HashSet::new())),
-        meter: Mutex::new(None),
-        dra: args.mode.dra(),
-    });
+    let books = names
+        .iter()
+        .zip(&assignment)
+        .map(|(n, &m)| (n.clone(), NodeBook::new(models[m].clone())))
+        .collect();
+    let world = Arc::new(World::new(
+        run_id,
+        args.namespace.clone(),
+        books,
+        args.faults.real_nodes.clone(),
+        args.faults.fault_schedulers.clone(),
+        args.mode.dra(),
+    ));
 
     tracing::info!(nodes = args.nodes, ?counts, "creating the scale nodes");
     let pairs: Vec<(String, Arc<NodeModel>)> = names
@@ -1314,28 +1331,9 @@ mod tests {
 
     fn world_with(node: &str, profile: &str) -> World {
         let inv = GpuInventory::discover(&Profile::load(profile).unwrap()).unwrap();
-        World {
-            run: "r".into(),
-            namespace: "ns".into(),
-            pods: Mutex::new(HashMap::new()),
-            counters: Default::default(),
-            last_bind: Mutex::new(None),
-            books: Mutex::new(HashMap::from([(
-                node.to_string(),
-                NodeBook::new(Arc::new(NodeModel::new(profile, inv))),
-            )])),
-            dirty: Mutex::new(HashMap::new()),
-            room: Mutex::new(HashMap::new()),
-            published: AtomicU64::new(0),
-            publish_errors: AtomicU64::new(0),
-            current: Mutex::new(None),
-            closed: Default::default(),
-            real_nodes: Vec::new(),
-            schedulers: Vec::new(),
-            silenced: Arc::new(Mutex::new(HashSet::new())),
-            dra: false,
-            meter: Mutex::new(None),
-        }
+        let book = NodeBook::new(Arc::new(NodeModel::new(profile, inv)));
+        let books = HashMap::from([(node.to_string(), book)]);
+        World::new("r".into(), "ns".into(), books, Vec::new(), Vec::new(), false)
     }
 
     fn bind(world: &World, name: &str, node: &str) -> bool {

@@ -138,19 +138,13 @@ impl Scorer {
                         return None;
                     }
                     pod.demand?;
-                    let visible = node.gpus().iter().any(|g| g.pods.iter().any(|p| **p == *pod.key));
-                    if visible || self.ledger.holds(&node.name, &pod.key) {
+                    if node.shows(&pod.key) || self.ledger.holds(&node.name, &pod.key) {
                         return None;
                     }
                     let gpus: Vec<(usize, String)> = pod
                         .assigned_gpus
                         .iter()
-                        .filter_map(|u| {
-                            node.gpus()
-                                .iter()
-                                .position(|g| *g.uuid == **u)
-                                .map(|p| (p, u.to_string()))
-                        })
+                        .filter_map(|u| node.position_of(u).map(|p| (p, u.to_string())))
                         .collect();
                     Some(Reservation {
                         pod: pod.key.to_string(),
@@ -312,7 +306,7 @@ impl Scorer {
         self.nodes
             .as_ref()
             .and_then(|c| c.get(node))
-            .is_some_and(|n| n.gpus().iter().any(|g| g.pods.iter().any(|p| **p == *pod)))
+            .is_some_and(|n| n.shows(pod))
     }
 
     /// [`Scorer::reserve`] against the node less what other replicas hold: binds the pod cache shows,
@@ -335,7 +329,7 @@ impl Scorer {
             let counted = b.pod == d.key
                 || seen.iter().any(|r| r.pod == b.pod)
                 || self.ledger.holds(node_name, &b.pod)
-                || node.gpus().iter().any(|g| g.pods.iter().any(|p| **p == *b.pod))
+                || node.shows(&b.pod)
                 || Duration::try_from(now.duration_since(b.at)).is_ok_and(|age| age >= ttl);
             if counted {
                 continue;
@@ -343,12 +337,7 @@ impl Scorer {
             let gpus = b
                 .gpus
                 .iter()
-                .filter_map(|u| {
-                    node.gpus()
-                        .iter()
-                        .position(|g| *g.uuid == **u)
-                        .map(|p| (p, u.clone()))
-                })
+                .filter_map(|u| node.position_of(u).map(|p| (p, u.clone())))
                 .collect();
             let r = Reservation {
                 pod: b.pod.clone(),

@@ -286,6 +286,11 @@ impl NodeSnapshot {
     pub fn position_of(&self, uuid: &str) -> Option<usize> {
         self.gpus.iter().position(|g| g.uuid == uuid)
     }
+
+    /// Whether the usage annotation lists `pod` (`namespace/name`) on any GPU.
+    pub fn shows(&self, pod: &str) -> bool {
+        self.gpus.iter().any(|g| g.pods.iter().any(|p| **p == *pod))
+    }
 }
 
 #[derive(Deserialize, Default)]
