@@ -774,16 +774,23 @@ async fn a_booking_whose_pod_is_gone_holds_no_room() {
     // GPU 0 has 6000 MiB free, GPU 1 2000. Another replica booked 5000 MiB of GPU 0 for a pod that then
     // left (deleted within the TTL): once the booking is past its settling time and the pod cache does
     // not show the pod on the node, the room is free again, and the next write drops the booking.
-    // A booking still settling holds its room, and so does one past it while the pod watch is failing
-    // (after an API server restart the cache lacked binds made since, for up to 30 s).
-    for (age_s, watch_failed, expect_bound) in [(30, false, true), (2, false, false), (30, true, false)] {
+    // A booking still settling holds its room, unless the pod cache saw its pod (that UID) deleted; and
+    // so does one past it while the pod watch is failing (after an API server restart the cache lacked
+    // binds made since, for up to 30 s).
+    for (age_s, watch_failed, deleted, expect_bound) in [
+        (30, false, None, true),
+        (2, false, None, false),
+        (2, false, Some("u-gone"), true),
+        (2, false, Some("u-before"), false),
+        (30, true, None, false),
+    ] {
         let node = node_json("n", &[g(16384, 10384), g(16384, 14384)]);
         let api = Arc::new(FakeApi::default());
         api.add_node(&node);
         api.add_pod(&pod_json("p1", 5000, 0, json!({}), json!({})));
         let at = k8s_openapi::jiff::Timestamp::now() - k8s_openapi::jiff::SignedDuration::from_secs(age_s);
-        let booked =
-            json!([{"pod": "team-a/gone", "gpus": [uuid("n", 0)], "mib": 5000, "at": at.to_string()}]);
+        let booked = json!([{"pod": "team-a/gone", "uid": "u-gone", "gpus": [uuid("n", 0)], "mib": 5000,
+                             "at": at.to_string()}]);
         api.add_lease(&json!({
             "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
             "metadata": {"name": "gpumem-bookings-n", "namespace": "gpumem-system",
@@ -791,6 +798,15 @@ async fn a_booking_whose_pod_is_gone_holds_no_room() {
             "spec": {}
         }));
         let pods = PodCache::from_pods(std::iter::empty::<Pod>());
+        if let Some(uid) = deleted {
+            // Deleted: "u-gone" is the booked pod; "u-before" an earlier pod of that name.
+            let pod: Pod = serde_json::from_value(json!({
+                "metadata": {"name": "gone", "namespace": "team-a", "uid": uid},
+                "spec": {"nodeName": "n", "containers": []}
+            }))
+            .expect("pod");
+            pods.apply(&kube::runtime::watcher::Event::Delete(pod));
+        }
         if watch_failed {
             pods.watch_failed();
         }

@@ -216,6 +216,7 @@ impl Scorer {
             let r = self.reserve_with(d, node_name, &keep).await?;
             keep.push(Booking {
                 pod: r.pod.clone(),
+                uid: Some(d.uid.clone()).filter(|u| !u.is_empty()),
                 gpus: r.gpus.iter().map(|(_, u)| u.clone()).collect(),
                 mib: r.mib,
                 at: Timestamp::now(),
@@ -250,7 +251,15 @@ impl Scorer {
 
     /// What of `read` (a node's bookings) still holds room, less `pod`'s own ([`bookings::kept`]).
     fn live_bookings(&self, node_name: &str, read: &[Booking], pod: &str) -> Vec<Booking> {
-        let shown = |b: &Booking| self.node_shows(node_name, &b.pod);
+        // Counted by the annotation, or its pod deleted (a short-lived pod must not hold its room
+        // for the whole settling time).
+        let settled = |b: &Booking| {
+            self.node_shows(node_name, &b.pod)
+                || b.uid
+                    .as_deref()
+                    .zip(self.pods.as_ref())
+                    .is_some_and(|(uid, pods)| pods.departed(uid))
+        };
         // Without a pod cache, or while its watch is failing (it may lack the pod's bind: an API
         // server that restarted), nothing is known: bookings then last until the TTL.
         let bound: Option<Vec<Box<str>>> = self
@@ -268,7 +277,7 @@ impl Scorer {
             pod,
             Timestamp::now(),
             Duration::from_secs(self.config.ledger_ttl_seconds),
-            shown,
+            settled,
             known,
         )
     }

@@ -11,8 +11,9 @@
 //!   again against what won (or answers that the node has no room, and kube-scheduler tries again).
 //!
 //! A booking is dropped by the next write to its node's Lease once the usage annotation shows its pod,
-//! once it is older than the ledger's TTL, or once it is [`SETTLE`] old and the writer's pod cache has
-//! no such pod on the node (its Binding failed, or the pod is gone).
+//! once the writer's pod cache has seen its pod (that UID) deleted, once it is older than the ledger's
+//! TTL, or once it is [`SETTLE`] old and the writer's pod cache has no such pod on the node (its Binding
+//! failed, or the pod went while the watch was away).
 
 use std::time::Duration;
 
@@ -36,10 +37,14 @@ pub const MAX_BOOKINGS: usize = 4096;
 
 /// One bind in flight.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
+// Unknown fields are ignored: a replica reads the bookings of a newer one during a rolling update.
+#[serde(rename_all = "camelCase")]
 pub struct Booking {
     /// `namespace/name`, as the usage annotation lists pods.
     pub pod: String,
+    /// The pod's UID: a pod deleted and created again under its name is another pod.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub uid: Option<String>,
     /// The GPUs' UUIDs.
     pub gpus: Vec<String>,
     /// MiB on each GPU; absent = the GPUs whole.
@@ -80,14 +85,14 @@ pub fn parse(text: &str) -> Result<Vec<Booking>, String> {
 }
 
 /// What a writer keeps of the bookings it read: not `replaced` (the pod it books now), not older than
-/// `ttl`, not `shown` by the usage annotation, and, past [`SETTLE`], only those whose pod is `known`
-/// bound to the node.
+/// `ttl`, not `settled` (the usage annotation shows the pod, or the pod is gone), and, past
+/// [`SETTLE`], only those whose pod is `known` bound to the node.
 pub fn kept(
     read: &[Booking],
     replaced: &str,
     now: Timestamp,
     ttl: Duration,
-    shown: impl Fn(&Booking) -> bool,
+    settled: impl Fn(&Booking) -> bool,
     known: impl Fn(&Booking) -> bool,
 ) -> Vec<Booking> {
     read.iter()
@@ -96,7 +101,7 @@ pub fn kept(
             let age = now.duration_since(b.at);
             // A booking from the future (a replica's clock ahead) counts as new.
             let age = Duration::try_from(age).unwrap_or(Duration::ZERO);
-            age < ttl && !shown(b) && (age < SETTLE || known(b))
+            age < ttl && !settled(b) && (age < SETTLE || known(b))
         })
         .cloned()
         .collect()
@@ -208,6 +213,7 @@ mod tests {
     fn booking(pod: &str, age_s: i64) -> Booking {
         Booking {
             pod: pod.into(),
+            uid: None,
             gpus: vec!["GPU-a".into()],
             mib: Some(1000),
             at: Timestamp::now() - k8s_openapi::jiff::SignedDuration::from_secs(age_s),
@@ -235,6 +241,7 @@ mod tests {
             booking("ns/a", 0),
             Booking {
                 mib: None,
+                uid: Some("u-b".into()),
                 ..booking("ns/b", 1)
             },
         ];
@@ -242,7 +249,16 @@ mod tests {
         assert!(!text.contains("\"mib\":null"), "{text}");
         assert_eq!(parse(&text).unwrap(), b);
         assert!(parse("{").is_err());
-        assert!(parse(r#"[{"pod": "a", "gpus": [], "at": "2026-01-01T00:00:00Z", "extra": 1}]"#).is_err());
+        let newer = parse(r#"[{"pod": "a", "gpus": [], "at": "2026-01-01T00:00:00Z", "extra": 1}]"#);
+        assert_eq!(
+            newer.map(|b| b.len()),
+            Ok(1),
+            "a newer replica's field is ignored"
+        );
+        assert!(
+            parse(r#"[{"gpus": [], "at": "2026-01-01T00:00:00Z"}]"#).is_err(),
+            "no pod"
+        );
         let many = vec![booking("ns/a", 0); MAX_BOOKINGS + 1];
         assert!(parse(&serde_json::to_string(&many).unwrap()).is_err());
     }

@@ -3,9 +3,10 @@
 //! decisions read is kept ([`PodRecord`], a few hundred bytes instead of the object's kilobytes),
 //! indexed by UID and by node, so neither scans every pod of the cluster.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock, RwLock};
+use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::jiff::Timestamp;
@@ -115,7 +116,16 @@ struct Index {
     by_node: FastMap<Box<str>, Vec<Arc<PodRecord>>>,
     /// UIDs seen since the current (re)list began; on its end, the others are gone.
     relist: Option<HashSet<Box<str>>>,
+    /// UIDs of pods gone within [`DEPARTED_KEPT`], oldest first, and the same as a set.
+    departed: VecDeque<(Instant, Box<str>)>,
+    departed_uids: HashSet<Box<str>>,
 }
+
+/// How long a departed pod's UID is remembered: a shared booking holds its room for [`SETTLE`] even
+/// when no pod cache shows its pod yet (the Binding on its way), unless its pod is known gone.
+///
+/// [`SETTLE`]: super::bookings::SETTLE
+const DEPARTED_KEPT: Duration = Duration::from_secs(2 * super::bookings::SETTLE.as_secs());
 
 impl Index {
     fn insert(&mut self, record: PodRecord) {
@@ -130,6 +140,21 @@ impl Index {
             .or_default()
             .push(record.clone());
         self.by_uid.insert(record.uid.clone(), record);
+    }
+
+    /// Remembers that the pod with `uid` is gone, and forgets departures past [`DEPARTED_KEPT`].
+    fn depart(&mut self, uid: &str, now: Instant) {
+        while let Some((at, _)) = self.departed.front() {
+            if now.duration_since(*at) < DEPARTED_KEPT {
+                break;
+            }
+            if let Some((_, old)) = self.departed.pop_front() {
+                self.departed_uids.remove(&old);
+            }
+        }
+        if !uid.is_empty() && self.departed_uids.insert(uid.into()) {
+            self.departed.push_back((now, uid.into()));
+        }
     }
 
     fn remove(&mut self, uid: &str) -> Option<Arc<PodRecord>> {
@@ -237,7 +262,9 @@ impl PodCache {
             }
             watcher::Event::Delete(pod) => {
                 let uid = pod.metadata.uid.as_deref().unwrap_or("");
-                self.write().remove(uid).into_iter().collect()
+                let mut index = self.write();
+                index.depart(uid, Instant::now());
+                index.remove(uid).into_iter().collect()
             }
             // Pods deleted while the watch was down are only missing from the new list.
             watcher::Event::InitDone => {
@@ -250,6 +277,9 @@ impl PodCache {
                             .filter(|u| !seen.contains(*u))
                             .cloned()
                             .collect();
+                        for u in &stale {
+                            index.depart(u, Instant::now());
+                        }
                         stale.iter().filter_map(|u| index.remove(u)).collect()
                     }
                     None => Vec::new(),
@@ -269,6 +299,11 @@ impl PodCache {
     /// Calls `f` with every scheduled pod that goes away from now on (once: a second hook is ignored).
     pub fn on_delete(&self, f: impl Fn(&PodRecord) + Send + Sync + 'static) {
         let _ = self.on_delete.set(Box::new(f));
+    }
+
+    /// Whether the pod with `uid` went away within the last [`DEPARTED_KEPT`] (20 s).
+    pub fn departed(&self, uid: &str) -> bool {
+        self.read().departed_uids.contains(uid)
     }
 
     /// Whether the first list of pods has been read.
@@ -385,6 +420,32 @@ mod tests {
         assert!(cache.with_node("n1", <[_]>::to_vec).is_empty());
         assert_eq!(cache.len(), 1);
         assert_eq!(*gone.lock().expect("lock"), ["ml/p1", "ml/p2"]);
+    }
+
+    #[test]
+    fn departed_pods_are_remembered_by_uid() {
+        let cache = PodCache::from_pods([pod("u1", "p1", "n1"), pod("u2", "p2", "n1")]);
+        assert!(!cache.departed("u1"));
+        cache.apply(&watcher::Event::Delete(pod("u1", "p1", "n1")));
+        assert!(cache.departed("u1"));
+        assert!(!cache.departed("u2"), "another pod");
+        // Gone while the watch was away: missing from the relist.
+        cache.apply(&watcher::Event::Init);
+        cache.apply(&watcher::Event::InitDone);
+        assert!(cache.departed("u2"));
+        // A pod deleted before the cache ever held it (its bind and deletion in one gap) is gone too.
+        cache.apply(&watcher::Event::Delete(pod("u3", "p3", "n2")));
+        assert!(cache.departed("u3"));
+
+        // Forgotten once no booking could need them.
+        let mut index = Index::default();
+        let t0 = Instant::now();
+        index.depart("a", t0);
+        index.depart("b", t0 + DEPARTED_KEPT / 2);
+        index.depart("c", t0 + DEPARTED_KEPT);
+        assert!(!index.departed_uids.contains("a"));
+        assert!(index.departed_uids.contains("b") && index.departed_uids.contains("c"));
+        assert_eq!(index.departed.len(), 2);
     }
 
     #[test]
