@@ -11,7 +11,7 @@ use gpumem::node::ROOM_FREED_LABEL as ROOM_FREED;
 use gpumem::plugin::proto::v1beta1::Device;
 use support::agent::{Node, free_port, http_get};
 use support::apiserver::{FakeApiServer, Recorded, metadata_maps, pod_with_choice};
-use support::kubelet::Authority;
+use support::kubelet::{Authority, FakeKubelet};
 
 const GPU: &str = "nvidia.com/gpu";
 const MEM: &str = "nvidia.com/gpu-mem";
@@ -970,4 +970,76 @@ async fn a_hostile_accounting_file_neither_crashes_nor_blocks_the_metrics() {
         "logged once, not at every scrape:\n{}",
         agent.log()
     );
+}
+
+/// A restart by SIGTERM (a rolling update) loses no pod: the stopping agent marks its Node as restarting and
+/// keeps serving the kubelet a moment longer; the next one takes the mark off only once the kubelet has its
+/// device lists, and moves the room label after, so that kube-scheduler tries the pods refused meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_by_sigterm_fences_the_node_until_the_next_agent_is_registered() {
+    const MARK: &str = gpumem::node::AGENT_RESTARTING_ANNOTATION;
+    let mut node = Node::new().await;
+    let api = FakeApiServer::start(node.dir.path()).await;
+    api.set_node("node-a", &[]);
+    let mut agent = node.agent_with_api("t4x4", &api, &["--mem-unit-mib", "1024"]);
+    node.kubelet.wait_registered(MEM, WAIT).await;
+    let annotation = |api: &FakeApiServer, key: &str| {
+        api.node("node-a")?["metadata"]["annotations"][key]
+            .as_str()
+            .map(String::from)
+    };
+    api.wait_for("the agent's first picture", WAIT, |api| {
+        annotation(api, "gpumem.io/gpu-usage")
+    })
+    .await;
+    assert_eq!(annotation(&api, MARK), None, "no mark while the agent runs");
+
+    let pid = agent.child.id().to_string();
+    Command::new("kill").args(["-TERM", &pid]).status().unwrap();
+    let mark = api
+        .wait_for("the restart mark", WAIT, |api| annotation(api, MARK))
+        .await;
+    assert!(mark.parse::<k8s_openapi::jiff::Timestamp>().is_ok(), "{mark}");
+    // Marked, and still serving: a pod bound before the scorers saw the mark is admitted.
+    assert!(agent.child.try_wait().unwrap().is_none(), "{}", agent.log());
+    node.kubelet.allocate(MEM, &refs(&units(0, 0..1))).await.unwrap();
+    let status = agent.wait_exit(WAIT).expect("the agent exits after the drain");
+    assert!(status.success(), "{}", agent.log());
+
+    // The next agent starts while the kubelet is away (listening elsewhere): the mark stays.
+    node.kubelet = FakeKubelet::start(&node.dir.path().join("elsewhere")).await;
+    let applies = api.node_applies("node-a").len();
+    let _next = node.agent_with_api("t4x4", &api, &["--mem-unit-mib", "1024"]);
+    api.wait_for("the next agent's first picture", WAIT, |api| {
+        (api.node_applies("node-a").len() > applies).then_some(())
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(
+        annotation(&api, MARK).as_deref(),
+        Some(mark.as_str()),
+        "kept while the kubelet has no device list"
+    );
+    // The kubelet is back: once it has both lists, the mark comes off, then the room label moves.
+    node.kubelet = FakeKubelet::start(&node.dir.path().join("plugins")).await;
+    node.kubelet.wait_registered(GPU, WAIT).await;
+    node.kubelet.wait_registered(MEM, WAIT).await;
+    api.wait_for("the mark lifted", WAIT, |api| {
+        annotation(api, MARK).is_none().then_some(())
+    })
+    .await;
+    let label = |a: &Recorded| metadata_maps(a).0.get(ROOM_FREED).cloned();
+    let later = api.node_applies("node-a")[applies..].to_vec();
+    let lifted = later
+        .iter()
+        .position(|a| !metadata_maps(a).1.contains_key(MARK))
+        .expect("an apply without the mark");
+    let moved = api
+        .wait_for("the room label moved after the lift", WAIT, |api| {
+            let last = api.node_applies("node-a").pop()?;
+            (label(&last) != label(&later[lifted])).then_some(last)
+        })
+        .await;
+    assert!(!metadata_maps(&moved).1.contains_key(MARK));
+    api.assert_all_granted();
 }

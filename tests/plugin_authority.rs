@@ -11,6 +11,7 @@ use gpumem::agent::GPU_SOCKET;
 use gpumem::agent::config::DeviceListStrategy;
 use gpumem::agent::metrics::AgentMetrics;
 use gpumem::agent::resource::{NodeResource, ResourceKind};
+use gpumem::agent::restart::Fence;
 use gpumem::agent::state::{HealthPolicy, NodeState};
 use gpumem::gpu::GpuInventory;
 use gpumem::liveness::Liveness;
@@ -69,6 +70,7 @@ fn plugin() -> Plugin {
             enforcement: None,
             api_server: None,
             metrics: Arc::new(AgentMetrics::new()),
+            fence: Arc::new(Fence::new(None)),
         }),
         liveness: Arc::new(Liveness::default()),
     }

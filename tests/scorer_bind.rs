@@ -839,3 +839,61 @@ async fn a_booking_whose_pod_is_gone_holds_no_room() {
         api.assert_all_granted();
     }
 }
+
+#[tokio::test]
+async fn no_gpu_pod_goes_to_a_node_whose_agent_is_restarting() {
+    // The agent marks its Node on SIGTERM and the next one lifts the mark once registered; meanwhile the
+    // kubelet would fail a GPU pod. A mark past its hold (an agent that never came back), one from a
+    // clock far ahead, or one that is not a time does not keep pods away.
+    let now = k8s_openapi::jiff::Timestamp::now();
+    let ago = |s: i64| (now - k8s_openapi::jiff::SignedDuration::from_secs(s)).to_string();
+    for (mark, refused) in [
+        (Some(ago(5)), true),
+        (Some(ago(-10)), true),
+        (Some(ago(120)), false),
+        (Some(ago(-3600)), false),
+        (Some("soon".to_string()), false),
+        (None, false),
+    ] {
+        let mut node = node_json("n", &[g(16384, 0)]);
+        if let Some(mark) = &mark {
+            node["metadata"]["annotations"]["gpumem.io/agent-restarting"] = json!(mark);
+        }
+        let pod = pod_json("p1", 5000, 0, json!({}), json!({}));
+        let (addr, scorer, api) = setup(std::slice::from_ref(&node), std::slice::from_ref(&pod)).await;
+        let (_, r) = post_json(addr, "/filter", &args_nodes(&pod, std::slice::from_ref(&node))).await;
+        let reason = r["FailedNodes"]["n"].as_str().unwrap_or_default();
+        let (_, b) = post_json(addr, "/bind", &bind_args("p1", "n")).await;
+        let error = b["Error"].as_str().expect("Error");
+        if refused {
+            assert!(
+                reason.starts_with("the gpumem agent on this node is restarting"),
+                "{mark:?}: {r}"
+            );
+            assert_eq!(
+                r["FailedAndUnresolvableNodes"]["n"], reason,
+                "preempting pods would not help"
+            );
+            assert!(
+                error.contains("the gpumem agent on this node is restarting"),
+                "{error}"
+            );
+            assert_eq!(assigned(&api, "p1"), None);
+            assert_eq!(
+                scorer
+                    .metrics
+                    .bind_failures
+                    .get_or_create(&gpumem::scorer::metrics::KindLabel {
+                        kind: "agent_restarting"
+                    })
+                    .get(),
+                1
+            );
+        } else {
+            assert_eq!(reason, "", "{mark:?}: {r}");
+            assert_eq!(error, "", "{mark:?}");
+            assert_eq!(assigned(&api, "p1"), Some(uuid("n", 0)));
+        }
+        api.assert_all_granted();
+    }
+}

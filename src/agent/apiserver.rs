@@ -8,15 +8,17 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::{Node, ObjectReference, Pod};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::{ListParams, Patch, PatchParams};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::{Api, Client};
 
 use super::enforcement::Enforcement;
+use super::restart::Fence;
 use super::state::NodeState;
 use crate::node::{
-    self, ASSIGNED_AT_ANNOTATION, ASSIGNED_GPUS_ANNOTATION, ROOM_FREED_LABEL, TopologyAnnotation,
-    USED_ANNOTATION, UsageAnnotation, UsedAnnotation,
+    self, AGENT_RESTARTING_ANNOTATION, ASSIGNED_AT_ANNOTATION, ASSIGNED_GPUS_ANNOTATION, ROOM_FREED_LABEL,
+    TopologyAnnotation, USED_ANNOTATION, UsageAnnotation, UsedAnnotation,
 };
 use crate::quantity::Quantity;
 
@@ -61,17 +63,17 @@ impl ApiServer {
         })
     }
 
-    /// The value of a label of this Node, if it has it; None also when the Node cannot be read.
-    pub async fn node_label(&self, key: &str) -> Option<String> {
+    /// This Node's labels and annotations; None when the Node cannot be read.
+    pub async fn node_metadata(&self) -> Option<ObjectMeta> {
         let api = Api::<Node>::all(self.client.clone());
         match tokio::time::timeout(LOOKUP_TIMEOUT * 5, api.get(&self.node)).await {
-            Ok(Ok(node)) => node.metadata.labels.and_then(|mut l| l.remove(key)),
+            Ok(Ok(node)) => Some(node.metadata),
             Ok(Err(err)) => {
-                tracing::warn!(error = %err, key, "cannot read the Node's labels");
+                tracing::warn!(error = %err, "cannot read the Node");
                 None
             }
             Err(_) => {
-                tracing::warn!(key, "the API server did not answer for the Node's labels");
+                tracing::warn!("the API server did not answer for the Node");
                 None
             }
         }
@@ -127,25 +129,35 @@ impl ApiServer {
             .map(drop)
     }
 
-    /// Keeps the Node's labels and annotations equal to the agent's picture, until the process ends.
-    pub async fn publish(self: Arc<Self>, state: Arc<NodeState>) {
+    /// Keeps the Node's labels and annotations equal to the agent's picture and `fence`'s restart mark,
+    /// until the process ends.
+    pub async fn publish(self: Arc<Self>, state: Arc<NodeState>, fence: Arc<Fence>) {
         let mut labels = node::labels(&state.inventory, state.unit_mib);
         let mut changes = state.subscribe_usage();
+        let mut marks = fence.subscribe();
         // What was last written, and the picture it came from (to tell when room grew).
         let mut written: Option<(BTreeMap<String, String>, BTreeMap<String, String>)> = None;
         let mut picture: Option<(TopologyAnnotation, UsageAnnotation)> = None;
         // Room grew and the label has not said so yet.
         let mut announce = false;
         let mut backoff = Duration::from_secs(1);
+        // The mark last published: its lifting is room for the pods the scorer refused meanwhile.
+        let mut marked = None;
         loop {
             changes.mark_unchanged();
+            let mark = *marks.borrow_and_update();
             let topology = TopologyAnnotation::new(&state.inventory, state.unit_mib, |a| state.is_healthy(a));
             let usage = state.usage();
             // At start room may have grown while the agent was away: the first picture counts as grown.
             announce |= picture
                 .as_ref()
                 .is_none_or(|(t, u)| node::room_grew((t, u), (&topology, &usage)));
-            let annotations = node::annotations(&topology, &usage);
+            announce |= marked.is_some() && mark.is_none();
+            let mut annotations = node::annotations(&topology, &usage);
+            if let Some(at) = mark {
+                annotations.insert(AGENT_RESTARTING_ANNOTATION.into(), at.to_string());
+            }
+            marked = mark;
             picture = Some((topology, usage));
             let mut result = Ok(());
             // The new annotations go out under the old label first, and the label a moment later: kube-scheduler
@@ -168,6 +180,9 @@ impl ApiServer {
                     announce = false;
                 }
             }
+            if result.is_ok() {
+                fence.written(mark);
+            }
             if let Err(err) = result {
                 tracing::warn!(node = %self.node, error = %err, retry_in = ?backoff, "cannot update the Node");
                 tokio::time::sleep(backoff).await;
@@ -175,9 +190,15 @@ impl ApiServer {
                 continue;
             }
             backoff = Duration::from_secs(1);
-            tokio::time::sleep(MIN_INTERVAL).await;
-            if tokio::time::timeout(RESYNC, changes.changed()).await.is_err() {
-                written = None;
+            // A stopping agent's mark goes out at once; other changes at most every MIN_INTERVAL.
+            tokio::select! {
+                () = tokio::time::sleep(MIN_INTERVAL) => {}
+                _ = marks.changed() => continue,
+            }
+            tokio::select! {
+                _ = changes.changed() => {}
+                _ = marks.changed() => {}
+                () = tokio::time::sleep(RESYNC) => written = None,
             }
         }
     }

@@ -10,6 +10,7 @@ pub mod enforcement;
 mod health;
 pub mod metrics;
 pub mod resource;
+pub mod restart;
 pub mod slice;
 pub mod state;
 
@@ -133,10 +134,21 @@ async fn serve(config: AgentConfig) -> anyhow::Result<()> {
         }
     };
 
+    let meta = match &api_server {
+        Some(api_server) => api_server.node_metadata().await,
+        None => None,
+    };
+    let annotations = meta.as_ref().and_then(|m| m.annotations.as_ref());
+    let labels = meta.as_ref().and_then(|m| m.labels.as_ref());
     let mode = match &api_server {
-        Some(api_server) => node_mode(config.mode, api_server).await,
+        Some(api_server) => node_mode(config.mode, labels.and_then(|l| l.get(MODE_LABEL)), api_server).await,
         None => config.mode,
     };
+    // A mark the previous agent left on SIGTERM stays until the kubelet has this one's device lists.
+    let inherited = annotations
+        .and_then(|a| a.get(crate::node::AGENT_RESTARTING_ANNOTATION))
+        .and_then(|v| v.parse().ok());
+    let fence = Arc::new(restart::Fence::new(inherited));
     tracing::info!(?mode, "serving the GPUs");
 
     // The metrics server carries the liveness probe: an agent without it (its port taken) exits, and
@@ -192,6 +204,7 @@ async fn serve(config: AgentConfig) -> anyhow::Result<()> {
                 node.clone(),
                 roots,
             ));
+            fence.expect([]);
             plugins.spawn(crate::plugin::dra::run(
                 driver,
                 crate::plugin::dra::DraSockets::new(
@@ -210,7 +223,7 @@ async fn serve(config: AgentConfig) -> anyhow::Result<()> {
                     tracing::debug!(error = %format!("{err:#}"), "no ResourceSlice of the DRA path removed");
                 }
             }
-            serve_device_plugins(
+            let served = serve_device_plugins(
                 &config,
                 &state,
                 &pod_resources,
@@ -218,16 +231,18 @@ async fn serve(config: AgentConfig) -> anyhow::Result<()> {
                 &api_server,
                 &metrics,
                 &liveness,
+                &fence,
                 &mut plugins,
                 &shutdown_rx,
             )
             .await;
+            fence.expect(served.iter().map(String::as_str));
         }
     }
 
     // Published once the picture is whole: on the DRA path, after the prepared claims are back.
     if let Some(api_server) = &api_server {
-        tokio::spawn(Arc::clone(api_server).publish(Arc::clone(&state)));
+        tokio::spawn(Arc::clone(api_server).publish(Arc::clone(&state), Arc::clone(&fence)));
         if let Some(enforcement) = &enforcement
             && !config.used_report_interval.is_zero()
         {
@@ -241,7 +256,13 @@ async fn serve(config: AgentConfig) -> anyhow::Result<()> {
 
     let mut terminate = signal(SignalKind::terminate())?;
     let outcome = tokio::select! {
-        _ = terminate.recv() => { tracing::info!("SIGTERM: stopping"); Ok(()) }
+        _ = terminate.recv() => {
+            if mode == Mode::DevicePlugin && api_server.is_some() {
+                drain(&fence).await;
+            }
+            tracing::info!("SIGTERM: stopping");
+            Ok(())
+        }
         _ = tokio::signal::ctrl_c() => { tracing::info!("interrupted: stopping"); Ok(()) }
         Some(ended) = plugins.join_next() => match ended {
             Ok(Ok(())) => Ok(()),
@@ -259,16 +280,30 @@ async fn serve(config: AgentConfig) -> anyhow::Result<()> {
     outcome
 }
 
+/// A stopping agent's last service: its Node marked as restarting, it keeps serving the kubelet for
+/// [`restart::DRAIN`] (see [`restart`]). Without the mark on the Node (the API server away) it stops at once.
+async fn drain(fence: &restart::Fence) {
+    let mark = fence.stopping();
+    if fence.wait_written(mark, restart::MARK_TIMEOUT).await {
+        tracing::info!(drain = ?restart::DRAIN, "SIGTERM: the Node is marked as restarting; serving the pods bound before the mark");
+        tokio::time::sleep(restart::DRAIN).await;
+    } else {
+        tracing::warn!(
+            "SIGTERM: the Node could not be marked as restarting; pods admitted before the next agent registers may fail"
+        );
+    }
+}
+
 /// The Node's label that chooses the path for this node, over the configured `mode`.
 pub const MODE_LABEL: &str = "gpumem.io/mode";
 
 /// The mode for this node: its [`MODE_LABEL`] when it has one (`device-plugin` or `dra`), else the
 /// configured one. A label with another value is reported on the Node and ignored.
-async fn node_mode(configured: Mode, api_server: &ApiServer) -> Mode {
-    let Some(value) = api_server.node_label(MODE_LABEL).await else {
+async fn node_mode(configured: Mode, value: Option<&String>, api_server: &ApiServer) -> Mode {
+    let Some(value) = value else {
         return configured;
     };
-    match <Mode as clap::ValueEnum>::from_str(&value, false) {
+    match <Mode as clap::ValueEnum>::from_str(value, false) {
         Ok(mode) => {
             if mode != configured {
                 tracing::info!(label = MODE_LABEL, %value, "the Node's label chooses the mode");
@@ -296,9 +331,10 @@ async fn serve_device_plugins(
     api_server: &Option<Arc<ApiServer>>,
     metrics: &Arc<metrics::AgentMetrics>,
     liveness: &Arc<Liveness>,
+    fence: &Arc<restart::Fence>,
     plugins: &mut JoinSet<anyhow::Result<()>>,
     shutdown_rx: &watch::Receiver<bool>,
-) {
+) -> Vec<String> {
     let plugin = |kind| Plugin {
         source: Arc::new(NodeResource {
             kind,
@@ -308,9 +344,11 @@ async fn serve_device_plugins(
             enforcement: enforcement.clone(),
             api_server: api_server.clone(),
             metrics: Arc::clone(metrics),
+            fence: Arc::clone(fence),
         }),
         liveness: Arc::clone(liveness),
     };
+    let mut served = vec![config.gpu_resource.clone()];
     plugins.spawn(registration::run(
         plugin(ResourceKind::Whole),
         config.device_plugin_dir.clone(),
@@ -345,7 +383,9 @@ async fn serve_device_plugins(
             MEM_SOCKET.into(),
             shutdown_rx.clone(),
         ));
+        served.push(config.mem_resource.clone());
     }
+    served
 }
 
 /// One warning per GPU whose memory is smaller than one unit (it offers no memory device); an error

@@ -12,6 +12,7 @@ use super::apiserver::ApiServer;
 use super::config::DeviceListStrategy;
 use super::enforcement::Enforcement;
 use super::metrics::AgentMetrics;
+use super::restart::Fence;
 use super::state::NodeState;
 use crate::plugin::podresources::Refresh;
 use crate::plugin::proto::v1beta1::{CdiDevice, ContainerAllocateResponse, Device};
@@ -44,6 +45,8 @@ pub struct NodeResource {
     /// Present when the agent talks to the API server (to honour the scorer's GPU choice).
     pub api_server: Option<Arc<ApiServer>>,
     pub metrics: Arc<AgentMetrics>,
+    /// Lifted once the kubelet has every resource's device list (see [`super::restart`]).
+    pub fence: Arc<Fence>,
 }
 
 impl NodeResource {
@@ -170,5 +173,9 @@ impl DeviceSource for NodeResource {
 
     fn registered(&self, yes: bool) {
         self.metrics.set_registered(self.resource(), yes);
+    }
+
+    fn listed(&self) {
+        self.fence.listed(self.resource());
     }
 }

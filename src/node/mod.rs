@@ -30,6 +30,14 @@ pub const ASSIGNED_AT_ANNOTATION: &str = "gpumem.io/assigned-at";
 /// not place when a node's labels change, and not when only its annotations do: without it a pod waiting
 /// for memory that frees on a GPU still shared would wait for the scheduler's periodic retry (minutes).
 pub const ROOM_FREED_LABEL: &str = "gpumem.io/room-freed-at";
+/// On the Node, while its agent restarts (RFC 3339, when it began): the stopping agent writes it on
+/// SIGTERM and the next one takes it off once the kubelet has its device lists again. Meanwhile the kubelet
+/// counts every device of the agent's plugins unhealthy, and a pod admitted then fails for good
+/// (`UnexpectedAdmissionError`): the scorer sends no GPU pod to a node so marked.
+pub const AGENT_RESTARTING_ANNOTATION: &str = "gpumem.io/agent-restarting";
+/// A mark older (or further ahead) than this is ignored: an agent that never came back must not keep its
+/// node from GPU pods once the kubelet has stopped offering its devices anyway.
+pub const AGENT_RESTART_MARK_HOLDS: std::time::Duration = std::time::Duration::from_secs(60);
 /// The schema version both annotations carry; a reader refuses any other.
 pub const ANNOTATION_VERSION: u32 = 1;
 

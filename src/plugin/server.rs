@@ -69,6 +69,8 @@ pub trait DeviceSource: Send + Sync + 'static {
     fn refused(&self, error: &RequestError);
     /// Registered with the kubelet, or no longer.
     fn registered(&self, yes: bool);
+    /// The kubelet has been sent the device list: from now on it counts these devices.
+    fn listed(&self);
 }
 
 /// The gRPC service of one resource.
@@ -147,6 +149,7 @@ impl DevicePlugin for Plugin {
                             return;
                         }
                         tracing::debug!(resource = source.resource(), bytes, "sent device list");
+                        source.listed();
                     }
                     last_sent = Some(offered);
                 }

@@ -47,6 +47,9 @@ pub enum BindError {
     /// Other replicas' bookings on the node won every attempt (kube-scheduler tries the pod again).
     #[error("{0}")]
     Contended(String),
+    /// The node's agent is restarting: the kubelet would fail the pod.
+    #[error("{0}")]
+    AgentRestarting(String),
 }
 
 impl BindError {
@@ -59,6 +62,7 @@ impl BindError {
             BindError::BadPod(_) => "bad_pod",
             BindError::DoesNotFit(_) => "does_not_fit",
             BindError::Contended(_) => "contended",
+            BindError::AgentRestarting(_) => "agent_restarting",
             BindError::Api { source, .. } => match source {
                 kube::Error::Api(status) => match status.code {
                     403 => "forbidden",
@@ -328,6 +332,9 @@ impl Scorer {
         booked: &[Booking],
     ) -> Result<Reservation, BindError> {
         let mut node = self.node_state(node_name).await?;
+        if let Some(reason) = node.restarting(Timestamp::now()) {
+            return Err(BindError::AgentRestarting(format!("node {node_name}: {reason}")));
+        }
         let seen = self.other_replicas_binds(&node);
         for r in &seen {
             ledger::subtract(&mut node, r);

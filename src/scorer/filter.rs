@@ -52,8 +52,11 @@ impl Scorer {
             Ok(None) => {}
             Ok(Some(d)) => {
                 self.filtered.remember(&d);
+                let now = k8s_openapi::jiff::Timestamp::now();
                 for (i, s) in states.iter().enumerate() {
-                    if let Err(r) = decide::check(s, &d) {
+                    if let Some(reason) = s.restarting(now) {
+                        reject(i, Rejection::new(reason, "agent_restarting", true), &mut result);
+                    } else if let Err(r) = decide::check(s, &d) {
                         reject(i, r, &mut result);
                     }
                 }

@@ -9,13 +9,14 @@
 use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::{Node, Pod};
+use k8s_openapi::jiff::Timestamp;
 use serde::Deserialize;
 
 use super::decide::bounded_reason;
 use crate::alloc::{GpuMask, MAX_GPUS_PER_NODE};
 use crate::node::{
-    ASSIGNED_GPUS_ANNOTATION, AnnotationError, GpuMode, Health, TOPOLOGY_ANNOTATION, TopologyAnnotation,
-    USAGE_ANNOTATION, UsageAnnotation, label_value,
+    AGENT_RESTART_MARK_HOLDS, AGENT_RESTARTING_ANNOTATION, ASSIGNED_GPUS_ANNOTATION, AnnotationError,
+    GpuMode, Health, TOPOLOGY_ANNOTATION, TopologyAnnotation, USAGE_ANNOTATION, UsageAnnotation, label_value,
 };
 use crate::quantity::{Quantity, QuantityError};
 
@@ -109,6 +110,8 @@ pub struct NodeSnapshot {
     summary: GpuSummary,
     /// Why GPU pods cannot go here (bad or missing annotations), if they cannot.
     pub problem: Option<String>,
+    /// When its agent began restarting ([`AGENT_RESTARTING_ANNOTATION`]), while the mark is on.
+    pub agent_restarting: Option<Timestamp>,
 }
 
 /// What every decision asks of a node's GPUs, derived once per node state: a call checks a thousand
@@ -252,6 +255,7 @@ impl NodeSnapshot {
             summary: GpuSummary::default(),
             // Every filter answer that lists this node quotes it: kept short.
             problem: Some(bounded_reason(problem)),
+            agent_restarting: None,
         }
     }
 
@@ -269,6 +273,10 @@ impl NodeSnapshot {
             q.and_then(|q| Quantity::parse(q).and_then(|q| value(&q)).ok())
                 .unwrap_or(0)
         };
+        // A mark that is not a time (edited by hand) is ignored: it would only keep pods away.
+        state.agent_restarting = annotations
+            .get(AGENT_RESTARTING_ANNOTATION)
+            .and_then(|v| v.parse().ok());
         state.cpu_milli = read(cpu, Quantity::millis_ceil);
         state.memory_mib = read(memory, Quantity::mib_ceil);
         match read_gpus(name, labels, annotations) {
@@ -285,6 +293,19 @@ impl NodeSnapshot {
     /// GPU position of `uuid`.
     pub fn position_of(&self, uuid: &str) -> Option<usize> {
         self.gpus.iter().position(|g| g.uuid == uuid)
+    }
+
+    /// Why GPU pods must not come here at `now`: its agent is restarting, by a mark within
+    /// [`AGENT_RESTART_MARK_HOLDS`] of `now` (either way: clocks differ). Until the agent has registered
+    /// again, the kubelet would fail them.
+    pub fn restarting(&self, now: Timestamp) -> Option<String> {
+        let at = self.agent_restarting?;
+        (now.duration_since(at).unsigned_abs() < AGENT_RESTART_MARK_HOLDS).then(|| {
+            format!(
+                "the gpumem agent on this node is restarting (since {at}); its GPUs are offered again once \
+                 it has registered with the kubelet"
+            )
+        })
     }
 
     /// Whether the usage annotation lists `pod` (`namespace/name`) on any GPU.

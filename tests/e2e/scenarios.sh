@@ -219,6 +219,12 @@ scorer_protocol_calls() {
 
 allocated_is() { [ "$(gpu_allocated "$REAL_NODE")" == "$1" ]; }
 registrations() { grep -c 'registered with the kubelet' "$RUN_OUT/agent.log"; }
+# restart_marked yes|no: whether the Node carries the agent's restart mark (gpumem.io/agent-restarting).
+restart_marked() {
+  local mark
+  mark=$(k get node "$REAL_NODE" -o 'jsonpath={.metadata.annotations.gpumem\.io/agent-restarting}')
+  if [ -n "$mark" ]; then [ "$1" == yes ]; else [ "$1" == no ]; fi
+}
 registered_since() { [ "$(registrations)" -ge $(($1 + 2)) ]; }
 
 gpu_is() { [ "$(gpu_health "$REAL_NODE" "$1")" == "$2" ]; }
@@ -289,12 +295,26 @@ scenario_agent_restart() {
   local before registrations
   before=$(gpu_allocated "$REAL_NODE")
   registrations=$(registrations)
+  # A rolling update: SIGTERM. The agent marks its Node as restarting and serves a moment longer.
+  kill -TERM "$AGENT_PID"
+  eventually "on SIGTERM the agent marks its Node as restarting" 5 restart_marked yes
   stop_agent
   # What the agent published is gone too: the new one must rebuild it from the kubelet.
   k annotate node "$REAL_NODE" gpumem.io/gpu-usage- > /dev/null
+  # No agent now: the kubelet counts every device unhealthy, and would fail a pod it admitted.
+  # Unfenced, kube-scheduler (whose allocatable is seconds old) would bind it and the kubelet fail it.
+  new_pod r-c nvidia.com/gpu-mem 3000
+  eventually "a GPU pod created meanwhile waits" 30 has_event r-c FailedScheduling
+  # The scorer's reason, unless the kubelet's allocatable of 0 reached the Node first.
+  log "  (r-c: $(pod_events r-c | grep -o 'the gpumem agent on this node is restarting\|Insufficient nvidia.com/gpu-mem' | sort -u | paste -sd ';'))"
+  expect_eq "it is Pending, not Failed" Pending "$(pod_phase r-c)"
   start_agent
   eventually "the agent registers both plugins again" 60 registered_since "$registrations"
-  eventually "the usage annotation is rebuilt as it was" 30 allocated_is "$before"
+  eventually "the mark is lifted once the kubelet has the device lists" 30 restart_marked no
+  eventually "the pod that waited runs" $((60 + $(kubelet_stall))) is_running r-c
+  check_gpu_pod r-c 3000
+  delete_pods r-c
+  eventually "the usage annotation is rebuilt as it was" $((30 + $(kubelet_stall))) allocated_is "$before"
   new_pod r-b nvidia.com/gpu-mem 12000
   eventually "a new 12000 MiB pod runs" 60 is_running r-b
   expect_ne "on the other T4" "$(pod_assigned r-a)" "$(pod_assigned r-b)"

@@ -15,7 +15,7 @@
 
 #![allow(dead_code)]
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::convert::Infallible;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -78,6 +78,10 @@ struct State {
     /// The newest resourceVersion: every change of a stored object takes the next one.
     revision: u64,
     nodes: BTreeMap<String, Value>,
+    /// What each field manager's last apply to a Node set: (node, manager) to `labels/key` and
+    /// `annotations/key`. As the API server does, an apply removes what the same manager set before and
+    /// now omits, unless another manager also set it.
+    node_fields: BTreeMap<(String, String), BTreeSet<String>>,
     slices: BTreeMap<String, Value>,
     /// By (namespace, name).
     claims: BTreeMap<(String, String), Value>,
@@ -134,6 +138,7 @@ impl FakeApiServer {
             authorizer,
             revision: 1,
             nodes: BTreeMap::new(),
+            node_fields: BTreeMap::new(),
             slices: BTreeMap::new(),
             claims: BTreeMap::new(),
             slice_events: Vec::new(),
@@ -474,8 +479,11 @@ async fn handle(state: Arc<Mutex<State>>, req: Request<Incoming>) -> Answer {
         ("", "nodes", "patch") => {
             let revision = state.next_revision();
             match state.nodes.get_mut(&name) {
-                // Server-side apply of labels and annotations: merged into the stored Node.
+                // Server-side apply of labels and annotations: merged into the stored Node, less what
+                // this manager set before and no longer does (forced: what it sets now is its alone).
                 Some(node) => {
+                    let manager = query_param(&recorded.query, "fieldManager").unwrap_or_default();
+                    let mut fields = BTreeSet::new();
                     for key in ["labels", "annotations"] {
                         let applied = recorded.body["metadata"][key].as_object().cloned();
                         let stored = &mut node["metadata"][key];
@@ -483,7 +491,36 @@ async fn handle(state: Arc<Mutex<State>>, req: Request<Incoming>) -> Answer {
                             *stored = json!({});
                         }
                         if let (Some(applied), Some(stored)) = (applied, stored.as_object_mut()) {
+                            fields.extend(applied.keys().map(|k| format!("{key}/{k}")));
                             stored.extend(applied);
+                        }
+                    }
+                    let owner = (name.clone(), manager.to_string());
+                    let before = state
+                        .node_fields
+                        .insert(owner.clone(), fields.clone())
+                        .unwrap_or_default();
+                    for (other, set) in state.node_fields.iter_mut() {
+                        if other.0 == name && *other != owner {
+                            set.retain(|f| !fields.contains(f));
+                        }
+                    }
+                    let dropped: Vec<&String> = before
+                        .iter()
+                        .filter(|f| !fields.contains(*f))
+                        .filter(|f| {
+                            !state
+                                .node_fields
+                                .iter()
+                                .any(|(o, set)| o.0 == name && set.contains(*f))
+                        })
+                        .collect();
+                    let node = state.nodes.get_mut(&name).expect("matched above");
+                    for field in dropped {
+                        if let Some((key, k)) = field.split_once('/')
+                            && let Some(map) = node["metadata"][key].as_object_mut()
+                        {
+                            map.remove(k);
                         }
                     }
                     node["metadata"]["resourceVersion"] = json!(revision);

@@ -16,7 +16,7 @@ pub struct Rejection {
 }
 
 impl Rejection {
-    pub(super) fn new(reason: String, category: &'static str, unresolvable: bool) -> Rejection {
+    pub fn new(reason: String, category: &'static str, unresolvable: bool) -> Rejection {
         Rejection {
             reason: bounded_reason(reason),
             category,
