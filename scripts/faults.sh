@@ -11,7 +11,9 @@
 #   sudo scripts/faults.sh
 #
 # The faults: a scorer replica SIGKILLed every 20 s (each replica is restarted after 1 s, as the kubelet
-# restarts a container), the agent SIGKILLed, the kubelet restarted, kube-apiserver stopped for 30 s,
+# restarts a container), the agent SIGKILLed (a crash: the kubelet fails what it admits until the plugin
+# registers again, counted apart), the agent restarted by SIGTERM (a rolling update: fenced, so no pod may
+# fail), the kubelet restarted, kube-apiserver stopped for 30 s,
 # kube-scheduler SIGKILLed (started again, as the kubelet restarts its static pod; the new process takes
 # the leader Lease over once the dead one's expires), an API-only node lost (no Lease, no status) under
 # a Deployment's pods.
@@ -223,12 +225,13 @@ kills=3
 declare -A FAULT=(
   [scorer-kill]="for i in \$(seq $kills); do r=\$([ \$((i % 2)) == 1 ] && echo a || echo b); kill -KILL \$(cat $RUN_OUT/scorer-\$r.pid); echo killed scorer-\$r; [ \$i == $kills ] || sleep 20; done"
   [agent-kill]="kill -KILL \$(cat $RUN_OUT/agent.pid)"
+  [agent-restart]="kill -TERM \$(cat $RUN_OUT/agent.pid)"
   [kubelet-restart]="$KIT/restart-kubelet.sh"
   [apiserver-down]="source $KIT/lib.sh && stop_pid kube-apiserver 20 && sleep 30 && start_apiserver && wait_apiserver"
   [scheduler-restart]="kill -KILL \$(cut -d' ' -f1 $K8S_STATE/run/kube-scheduler.pid) && echo killed kube-scheduler"
   [node-lost]="@node-lost"
 )
-ORDER="scorer-kill agent-kill kubelet-restart apiserver-down scheduler-restart node-lost"
+ORDER="scorer-kill agent-kill agent-restart kubelet-restart apiserver-down scheduler-restart node-lost"
 fault_args=()
 for f in ${GPUMEM_FAULTS_ONLY:-$ORDER}; do
   [ -n "${FAULT[$f]:-}" ] || {
@@ -252,7 +255,7 @@ log "cluster ready in $((SECONDS - started)) s; gpumem-scale runs ($NODES API-on
 KUBECONFIG=$ADMIN_KUBECONFIG setsid "$BIN/gpumem-scale" run --mode extender --nodes "$NODES" \
   --rate 1 --duration 0 --burst 0 --fill 0 --saturate 0 --trace "$TRACE" --out "$RUN_OUT" \
   --k8s-state "$K8S_STATE" --real-node "$REAL_NODE" "${shape[@]}" "${fault_args[@]}" \
-  --fault-scheduler default-scheduler --fault-scheduler gpumem-scheduler \
+  --fault-scheduler default-scheduler --fault-scheduler gpumem-scheduler --fault-plugin-crash agent-kill \
   > "$RUN_OUT/stdout.txt" 2> >(tee "$RUN_OUT/progress.log" >&2) &
 SCALE_PID=$!
 wait $SCALE_PID

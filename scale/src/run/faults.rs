@@ -38,6 +38,11 @@ pub struct FaultArgs {
     /// After one at a time, all the faults at once.
     #[arg(long)]
     pub fault_together: bool,
+    /// A fault that crashes the device plugin (SIGKILL of the agent): the kubelet fails the pods it
+    /// admits until the plugin registers again, as with any device plugin, and the row counts them
+    /// apart. Elsewhere (a restart by SIGTERM, which the agent fences) such a failure fails the row.
+    #[arg(long = "fault-plugin-crash", value_name = "NAME")]
+    pub fault_plugin_crashes: Vec<String>,
     /// The share of the scale nodes' GPU memory the fault phase keeps allocated.
     #[arg(long, default_value_t = 0.9)]
     pub fault_target: f64,
@@ -591,6 +596,12 @@ async fn one_fault(
     let mut problems = Vec::new();
     if failed_gpu > 0 {
         problems.push(format!("{failed_gpu} pods failed for GPU reasons"));
+    }
+    let plugin_crashed = set.iter().any(|f| args.fault_plugin_crashes.contains(&f.name));
+    if failed_plugin_down > 0 && !plugin_crashed {
+        problems.push(format!(
+            "{failed_plugin_down} pods failed while the device plugin was not serving"
+        ));
     }
     if !over.is_empty() {
         problems.push(format!("{} GPU samples over capacity", over.len()));
