@@ -8,6 +8,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use gpumem::node::ROOM_FREED_LABEL as ROOM_FREED;
+use gpumem::plugin::proto::podresources::ContainerDevices;
 use gpumem::plugin::proto::v1beta1::Device;
 use support::agent::{Node, free_port, http_get};
 use support::apiserver::{FakeApiServer, Recorded, metadata_maps, pod_with_choice};
@@ -973,10 +974,10 @@ async fn a_hostile_accounting_file_neither_crashes_nor_blocks_the_metrics() {
 }
 
 /// A restart by SIGTERM (a rolling update) loses no pod: the stopping agent marks its Node as restarting and
-/// keeps serving the kubelet a moment longer; the next one takes the mark off only once the kubelet has its
-/// device lists, and moves the room label after, so that kube-scheduler tries the pods refused meanwhile.
+/// keeps serving the kubelet a moment longer; the next one takes the mark off only once the kubelet counts its
+/// devices again, and moves the room label after, so that kube-scheduler tries the pods refused meanwhile.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_restart_by_sigterm_fences_the_node_until_the_next_agent_is_registered() {
+async fn a_restart_by_sigterm_fences_the_node_until_the_kubelet_counts_the_next_agents_devices() {
     const MARK: &str = gpumem::node::AGENT_RESTARTING_ANNOTATION;
     let mut node = Node::new().await;
     let api = FakeApiServer::start(node.dir.path()).await;
@@ -1020,10 +1021,29 @@ async fn a_restart_by_sigterm_fences_the_node_until_the_next_agent_is_registered
         Some(mark.as_str()),
         "kept while the kubelet has no device list"
     );
-    // The kubelet is back: once it has both lists, the mark comes off, then the room label moves.
+    // The kubelet is back and has both lists, but counts none of the devices yet (a 1.36 kubelet may
+    // take minutes over a large list): the mark stays.
     node.kubelet = FakeKubelet::start(&node.dir.path().join("plugins")).await;
     node.kubelet.wait_registered(GPU, WAIT).await;
     node.kubelet.wait_registered(MEM, WAIT).await;
+    node.kubelet.wait_devices(MEM, WAIT, |d| !d.is_empty()).await;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(
+        annotation(&api, MARK).as_deref(),
+        Some(mark.as_str()),
+        "kept while the kubelet counts no device"
+    );
+    // Once it counts them (PodResources GetAllocatableResources), the mark comes off, then the room
+    // label moves.
+    let counted = |resource: &str, ids: Vec<String>| ContainerDevices {
+        resource_name: resource.into(),
+        device_ids: ids,
+        topology: None,
+    };
+    node.pods.set_allocatable(vec![
+        counted(GPU, vec!["GPU-0".into()]),
+        counted(MEM, units(1, 3..5)),
+    ]);
     api.wait_for("the mark lifted", WAIT, |api| {
         annotation(api, MARK).is_none().then_some(())
     })

@@ -689,7 +689,7 @@ async fn two_replicas_bind_at_once(
     api.add_pod(&pod_json("p1", 5000, 0, json!({}), json!({})));
     api.add_pod(&pod_json("p2", 5000, 0, json!({}), json!({})));
     // Both read the node's bookings before either writes.
-    *api.lease_get_delay.lock().expect("lock") = Duration::from_millis(200);
+    *api.lease_gets_together.lock().expect("lock") = 2;
     let config = ScorerConfig {
         shared_bookings: shared,
         ..ScorerConfig::default()

@@ -286,8 +286,10 @@ pub struct FakeApi {
     pub refuse_binding: Mutex<Vec<String>>,
     /// Leases by `namespace/name`, and the last resourceVersion given out.
     leases: Mutex<(BTreeMap<String, Value>, u64)>,
-    /// Delay before answering a GET of one Lease (to make bookings overlap).
-    pub lease_get_delay: Mutex<Duration>,
+    /// The first this many GETs of a Lease are each answered with the Lease as it was when it arrived,
+    /// once all of them have arrived (5 s at most): their bookings overlap however slowly they come.
+    pub lease_gets_together: Mutex<usize>,
+    lease_gets_arrived: tokio::sync::watch::Sender<usize>,
     /// While true, lists wait (an API server slow to answer a starting scorer).
     pub hold_lists: tokio::sync::watch::Sender<bool>,
     authorizer: Authorizer,
@@ -304,7 +306,8 @@ impl Default for FakeApi {
             pod_get_delay: Mutex::default(),
             refuse_binding: Mutex::default(),
             leases: Mutex::default(),
-            lease_get_delay: Mutex::default(),
+            lease_gets_together: Mutex::default(),
+            lease_gets_arrived: tokio::sync::watch::Sender::new(0),
             hold_lists: tokio::sync::watch::Sender::new(false),
             authorizer: Authorizer::new("scorer"),
         }
@@ -501,10 +504,20 @@ impl FakeApi {
                     name,
                 ],
             ) => {
-                let delay = *self.lease_get_delay.lock().expect("lock");
-                tokio::time::sleep(delay).await;
-                match self.leases.lock().expect("lock").0.get(&format!("{ns}/{name}")) {
-                    Some(l) => reply(200, l.clone()),
+                let stored = self.leases.lock().expect("lock").0.get(&format!("{ns}/{name}")).cloned();
+                let together = *self.lease_gets_together.lock().expect("lock");
+                let mut arrived = self.lease_gets_arrived.subscribe();
+                let mut mine = 0;
+                self.lease_gets_arrived.send_modify(|n| {
+                    *n += 1;
+                    mine = *n;
+                });
+                if mine <= together {
+                    let all = arrived.wait_for(|n| *n >= together);
+                    let _ = tokio::time::timeout(Duration::from_secs(5), all).await;
+                }
+                match stored {
+                    Some(l) => reply(200, l),
                     None => not_found(),
                 }
             }

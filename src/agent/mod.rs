@@ -144,7 +144,7 @@ async fn serve(config: AgentConfig) -> anyhow::Result<()> {
         Some(api_server) => node_mode(config.mode, labels.and_then(|l| l.get(MODE_LABEL)), api_server).await,
         None => config.mode,
     };
-    // A mark the previous agent left on SIGTERM stays until the kubelet has this one's device lists.
+    // A mark the previous agent left on SIGTERM stays until the kubelet counts this one's devices.
     let inherited = annotations
         .and_then(|a| a.get(crate::node::AGENT_RESTARTING_ANNOTATION))
         .and_then(|v| v.parse().ok());
@@ -204,7 +204,8 @@ async fn serve(config: AgentConfig) -> anyhow::Result<()> {
                 node.clone(),
                 roots,
             ));
-            fence.expect([]);
+            // The kubelet retries a claim's preparation: nothing to fence.
+            fence.lift();
             plugins.spawn(crate::plugin::dra::run(
                 driver,
                 crate::plugin::dra::DraSockets::new(
@@ -237,6 +238,12 @@ async fn serve(config: AgentConfig) -> anyhow::Result<()> {
             )
             .await;
             fence.expect(served.iter().map(String::as_str));
+            if fence.mark().is_some() {
+                tokio::spawn(restart::lift_when_counted(
+                    Arc::clone(&fence),
+                    Arc::clone(&pod_resources),
+                ));
+            }
         }
     }
 

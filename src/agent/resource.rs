@@ -45,7 +45,7 @@ pub struct NodeResource {
     /// Present when the agent talks to the API server (to honour the scorer's GPU choice).
     pub api_server: Option<Arc<ApiServer>>,
     pub metrics: Arc<AgentMetrics>,
-    /// Lifted once the kubelet has every resource's device list (see [`super::restart`]).
+    /// Told of each device list sent (see [`super::restart`]).
     pub fence: Arc<Fence>,
 }
 
@@ -175,7 +175,7 @@ impl DeviceSource for NodeResource {
         self.metrics.set_registered(self.resource(), yes);
     }
 
-    fn listed(&self) {
-        self.fence.listed(self.resource());
+    fn listed(&self, healthy: usize) {
+        self.fence.listed(self.resource(), healthy);
     }
 }

@@ -1,6 +1,7 @@
 //! What the kubelet has handed out: the PodResources API (`List`), polled, and asked again right
 //! before every decision. The kubelet never tells a device plugin that a pod ended; this does.
 
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -8,7 +9,9 @@ use std::time::{Duration, Instant};
 use tokio::sync::Mutex;
 
 use super::proto::podresources::pod_resources_lister_client::PodResourcesListerClient;
-use super::proto::podresources::{ListPodResourcesRequest, ListPodResourcesResponse};
+use super::proto::podresources::{
+    AllocatableResourcesRequest, ListPodResourcesRequest, ListPodResourcesResponse,
+};
 use super::uds;
 
 /// Something that makes what the kubelet handed out current before a decision.
@@ -24,6 +27,9 @@ pub trait Allocations: Send + Sync + 'static {
 
 /// One `List` may take this long before the last known picture is used instead.
 const LIST_TIMEOUT: Duration = Duration::from_secs(2);
+/// The largest `GetAllocatableResources` answer read: the kubelet takes device lists of up to 4 MiB
+/// per resource, and lists each device in an entry of its own (its resource name repeated).
+const ALLOCATABLE_MAX_BYTES: usize = 64 << 20;
 /// A decision within this long of the last `List` uses it as it is: the kubelet rate-limits the API
 /// (100 requests/s, bursts of 10), and the agent's own recent allocations are in its books anyway.
 const FRESH_ENOUGH: Duration = Duration::from_millis(100);
@@ -75,6 +81,36 @@ impl PodResources {
             }
         }
         .map_err(|e| anyhow::anyhow!("PodResources {}: {e}", self.socket.display()))
+    }
+
+    /// How many devices of each resource the kubelet counts allocatable, healthy ones only
+    /// (`GetAllocatableResources`); `None` when this kubelet does not serve the call (its feature gate
+    /// off). One entry per device: a node's lists can pass the client's default 4 MiB limit.
+    pub async fn allocatable_counts(&self) -> anyhow::Result<Option<BTreeMap<String, usize>>> {
+        let attempt = async {
+            let mut client = PodResourcesListerClient::new(uds::connect(&self.socket).await?)
+                .max_decoding_message_size(ALLOCATABLE_MAX_BYTES);
+            match client
+                .get_allocatable_resources(AllocatableResourcesRequest {})
+                .await
+            {
+                Ok(answer) => {
+                    let mut counts = BTreeMap::new();
+                    for d in answer.into_inner().devices {
+                        *counts.entry(d.resource_name).or_insert(0) += d.device_ids.len();
+                    }
+                    anyhow::Ok(Some(counts))
+                }
+                // Before 1.28 a kubelet with KubeletPodResourcesGetAllocatable off says "disabled".
+                Err(s) if s.code() == tonic::Code::Unimplemented || s.message().contains("disabled") => {
+                    Ok(None)
+                }
+                Err(s) => Err(s.into()),
+            }
+        };
+        tokio::time::timeout(LIST_TIMEOUT, attempt)
+            .await
+            .map_err(|_| anyhow::anyhow!("GetAllocatableResources took longer than {LIST_TIMEOUT:?}"))?
     }
 
     /// Polls every `interval` until the process ends.

@@ -13,13 +13,13 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 use tracing::Instrument as _;
 
-use super::proto::KUBELET_MAX_RECV_BYTES;
 use super::proto::v1beta1::device_plugin_server::DevicePlugin;
 use super::proto::v1beta1::{
     AllocateRequest, AllocateResponse, ContainerAllocateResponse, ContainerPreferredAllocationResponse,
     Device, DevicePluginOptions, Empty, ListAndWatchResponse, PreStartContainerRequest,
     PreStartContainerResponse, PreferredAllocationRequest, PreferredAllocationResponse,
 };
+use super::proto::{HEALTHY, KUBELET_MAX_RECV_BYTES};
 use crate::liveness::Liveness;
 
 /// Why a request cannot be served; the text reaches the user through the kubelet's pod event.
@@ -69,8 +69,8 @@ pub trait DeviceSource: Send + Sync + 'static {
     fn refused(&self, error: &RequestError);
     /// Registered with the kubelet, or no longer.
     fn registered(&self, yes: bool);
-    /// The kubelet has been sent the device list: from now on it counts these devices.
-    fn listed(&self);
+    /// The kubelet has been sent a device list, `healthy` of its devices healthy.
+    fn listed(&self, healthy: usize);
 }
 
 /// The gRPC service of one resource.
@@ -135,6 +135,7 @@ impl DevicePlugin for Plugin {
                     let response = ListAndWatchResponse {
                         devices: source.devices(),
                     };
+                    let healthy = response.devices.iter().filter(|d| d.health == HEALTHY).count();
                     let bytes = response.encoded_len();
                     if bytes > KUBELET_MAX_RECV_BYTES {
                         // The kubelet would drop the stream; the agent checked the unit at start, so
@@ -149,7 +150,7 @@ impl DevicePlugin for Plugin {
                             return;
                         }
                         tracing::debug!(resource = source.resource(), bytes, "sent device list");
-                        source.listed();
+                        source.listed(healthy);
                     }
                     last_sent = Some(offered);
                 }

@@ -302,8 +302,8 @@ impl NodeSnapshot {
         let at = self.agent_restarting?;
         (now.duration_since(at).unsigned_abs() < AGENT_RESTART_MARK_HOLDS).then(|| {
             format!(
-                "the gpumem agent on this node is restarting (since {at}); its GPUs are offered again once \
-                 it has registered with the kubelet"
+                "the gpumem agent on this node is restarting (marked at {at}); its GPUs are offered again \
+                 once the kubelet counts them"
             )
         })
     }

@@ -310,7 +310,7 @@ scenario_agent_restart() {
   expect_eq "it is Pending, not Failed" Pending "$(pod_phase r-c)"
   start_agent
   eventually "the agent registers both plugins again" 60 registered_since "$registrations"
-  eventually "the mark is lifted once the kubelet has the device lists" 30 restart_marked no
+  eventually "the mark is lifted once the kubelet counts the devices again" $((30 + $(kubelet_stall))) restart_marked no
   eventually "the pod that waited runs" $((60 + $(kubelet_stall))) is_running r-c
   check_gpu_pod r-c 3000
   delete_pods r-c
