@@ -504,7 +504,13 @@ impl FakeApi {
                     name,
                 ],
             ) => {
-                let stored = self.leases.lock().expect("lock").0.get(&format!("{ns}/{name}")).cloned();
+                let stored = self
+                    .leases
+                    .lock()
+                    .expect("lock")
+                    .0
+                    .get(&format!("{ns}/{name}"))
+                    .cloned();
                 let together = *self.lease_gets_together.lock().expect("lock");
                 let mut arrived = self.lease_gets_arrived.subscribe();
                 let mut mine = 0;
