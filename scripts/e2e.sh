@@ -42,6 +42,7 @@ source "$ROOT/tests/e2e/lib.sh"
 source "$ROOT/tests/e2e/scenarios.sh"
 source "$ROOT/tests/e2e/dra.sh"
 source "$ROOT/tests/e2e/placement.sh"
+source "$ROOT/tests/e2e/placer.sh"
 source "$ROOT/tests/e2e/enforce.sh"
 
 NS=e2e

@@ -26,6 +26,7 @@ pub mod lease;
 pub mod liveness;
 pub mod names;
 pub mod node;
+pub mod placer;
 pub mod plugin;
 pub mod quantity;
 pub mod scorer;

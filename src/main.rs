@@ -40,7 +40,7 @@ fn main() -> ExitCode {
         Command::Agent(args) => gpumem::agent::run(&args),
         Command::Inspect(args) => gpumem::inspect::run(&args),
         Command::Simulate(args) => gpumem::sim::run(&args),
-        Command::Scorer(args) => gpumem::scorer::cli::run(&args),
+        Command::Scorer(args) => gpumem::scorer::cli::run(&args, gpumem::placer::start),
         Command::Certs(args) => gpumem::tls::certs::run(&args),
         Command::Claims(args) => gpumem::claim::run(&args),
     };

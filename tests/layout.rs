@@ -132,3 +132,114 @@ fn no_public_type_name_is_declared_twice() {
     let twice: Vec<_> = seen.iter().filter(|(_, files)| files.len() > 1).collect();
     assert!(twice.is_empty(), "declared more than once: {twice:?}");
 }
+
+/// The files of one module (a folder of `src/`) and the siblings each names: `super::x` (or
+/// `super::{x, y}`) from a file in the folder, `super::super::x` from a file one folder down (that
+/// subfolder counts as one sibling), and `crate::<folder path>::x` from either. `mod.rs` is the module
+/// itself, which declares its files: it is left out.
+fn sibling_imports() -> BTreeMap<String, BTreeMap<String, BTreeSet<String>>> {
+    let mut folders: BTreeMap<String, BTreeMap<String, BTreeSet<String>>> = BTreeMap::new();
+    let files = sources();
+    for (relative, text) in &files {
+        let parts: Vec<String> = relative
+            .components()
+            .map(|c| {
+                c.as_os_str()
+                    .to_string_lossy()
+                    .trim_end_matches(".rs")
+                    .to_string()
+            })
+            .collect();
+        // (folder, the sibling this file is, the `super` chain that reaches the folder)
+        let mut places = Vec::new();
+        if parts.len() >= 2 && parts[parts.len() - 1] != "mod" {
+            places.push((
+                parts[..parts.len() - 1].join("::"),
+                parts[parts.len() - 1].clone(),
+                "super::",
+            ));
+        }
+        if parts.len() >= 3 {
+            places.push((
+                parts[..parts.len() - 2].join("::"),
+                parts[parts.len() - 2].clone(),
+                "super::super::",
+            ));
+        }
+        // What the file's code uses: not its comments, not its tests.
+        let code: String = text
+            .split("#[cfg(test)]\nmod tests")
+            .next()
+            .unwrap_or_default()
+            .lines()
+            .filter(|l| !l.trim_start().starts_with("//"))
+            .collect::<Vec<_>>()
+            .join("\n");
+        for (folder, me, up) in places {
+            let named = folders
+                .entry(folder.clone())
+                .or_default()
+                .entry(me.clone())
+                .or_default();
+            let crate_path = format!("crate::{folder}::");
+            for prefix in [up, crate_path.as_str()] {
+                for (at, _) in code.match_indices(prefix) {
+                    // `super::super::x` is not `super::x` named `super`.
+                    if prefix == "super::" && code[..at].ends_with("super::") {
+                        continue;
+                    }
+                    let rest = &code[at + prefix.len()..];
+                    let list = match rest.strip_prefix('{') {
+                        Some(group) => group.split('}').next().unwrap_or_default().to_string(),
+                        None => rest
+                            .chars()
+                            .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                            .collect(),
+                    };
+                    for name in list.split(',') {
+                        let name: String = name
+                            .trim()
+                            .chars()
+                            .take_while(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == '_')
+                            .collect();
+                        if !name.is_empty() && name != me && name != "super" && name != "self" {
+                            named.insert(name);
+                        }
+                    }
+                }
+            }
+        }
+    }
+    // Only siblings that are files or folders of the module.
+    for siblings in folders.values_mut() {
+        let names: BTreeSet<String> = siblings.keys().cloned().collect();
+        for named in siblings.values_mut() {
+            named.retain(|n| names.contains(n));
+        }
+    }
+    folders
+}
+
+/// Inside a module too, dependencies go one way: two files that name each other (directly or
+/// through others) cannot be read one before the other.
+#[test]
+fn files_inside_a_module_depend_one_way() {
+    let folders = sibling_imports();
+    assert!(
+        folders
+            .get("placer")
+            .is_some_and(|p| p.get("controller").is_some_and(|c| c.contains("place"))),
+        "{:?}",
+        folders.get("placer")
+    );
+    let cycles: Vec<String> = folders
+        .iter()
+        .flat_map(|(folder, graph)| {
+            graph
+                .keys()
+                .filter_map(|f| cycle_through(graph, f))
+                .map(move |c| format!("{folder}: {}", c.join(" -> ")))
+        })
+        .collect();
+    assert!(cycles.is_empty(), "files that import each other: {cycles:#?}");
+}

@@ -30,11 +30,10 @@ use super::enforcement::Enforcement;
 use super::metrics::AgentMetrics;
 use super::resource::{LIMIT_ENV, VISIBLE_DEVICES_ENV};
 use super::state::{NodeState, PreparedClaim, Share};
-use crate::node::slice::{self, MEMORY_CAPACITY};
+use crate::node::slice;
 use crate::plugin::dra::ClaimPreparer;
 use crate::plugin::proto::dra::{Claim, Device};
 use crate::plugin::proto::drahealth::{DeviceHealth, DeviceIdentifier, HealthStatus};
-use crate::quantity::Quantity;
 
 /// A claim lookup while a pod is being started may take this long.
 const LOOKUP_TIMEOUT: Duration = Duration::from_secs(10);
@@ -414,49 +413,34 @@ impl DraDriver {
                 claim.uid
             ));
         }
-        let status = resource.status.as_ref();
-        let results = status
-            .and_then(|s| s.allocation.as_ref())
-            .and_then(|a| a.devices.as_ref())
-            .and_then(|d| d.results.as_deref())
-            .ok_or_else(|| format!("ResourceClaim {id} is not allocated"))?;
+        if resource.status.as_ref().is_none_or(|s| s.allocation.is_none()) {
+            return Err(format!("ResourceClaim {id} is not allocated"));
+        }
         let owner = slice::claim_holder(resource);
         let mut devices: Vec<PreparedDevice> = Vec::new();
-        for result in results.iter().filter(|r| r.driver == self.driver) {
-            if result.pool != self.node {
+        for held in slice::held_devices(resource, &self.driver) {
+            if held.pool != self.node {
                 return Err(format!(
                     "ResourceClaim {id}: device {} is in pool {:?}, this node's pool is {:?}",
-                    result.device, result.pool, self.node
+                    held.device, held.pool, self.node
                 ));
             }
-            let a = slice::device_index(&result.device)
+            let a = held
+                .index
                 .and_then(|index| self.state.position(index))
-                .ok_or_else(|| format!("ResourceClaim {id}: this node has no device {:?}", result.device))?;
+                .ok_or_else(|| format!("ResourceClaim {id}: this node has no device {:?}", held.device))?;
             let whole = slice::offered_mib(&self.state.inventory, a, self.state.unit_mib);
-            let share = match result
-                .consumed_capacity
-                .as_ref()
-                .and_then(|c| c.get(MEMORY_CAPACITY))
+            let share = match held
+                .consumed_mib
+                .map_err(|e| format!("ResourceClaim {id}: {e}"))?
             {
-                None => Share::Whole,
-                Some(q) => {
-                    let parsed = Quantity::parse(&q.0)
-                        .map_err(|e| format!("ResourceClaim {id}: consumed memory {:?}: {e}", q.0))?;
-                    let mib = parsed
-                        .mib_ceil()
-                        .map_err(|e| format!("ResourceClaim {id}: consumed memory {:?}: {e}", q.0))?;
-                    if mib >= whole {
-                        Share::Whole
-                    } else {
-                        Share::Mib(mib)
-                    }
-                }
+                Some(mib) if mib < whole => Share::Mib(mib),
+                _ => Share::Whole,
             };
             devices.push(PreparedDevice {
-                // A result of a prioritized list names `<request>/<subrequest>`.
-                request: result.request.split('/').next().unwrap_or_default().to_string(),
-                device: result.device.clone(),
-                share_id: result.share_id.clone(),
+                request: held.request,
+                device: held.device,
+                share_id: held.share_id,
                 uuid: self.state.inventory.gpus[a].uuid.clone(),
                 share,
             });

@@ -34,24 +34,6 @@ pub struct TypicalMix {
 }
 
 impl TypicalMix {
-    /// Builds the mix from a workload, as the paper's simulator does: task types are (cpu, GPU demand,
-    /// allowed models), counted, sorted by decreasing count, and the most popular ones are kept until
-    /// they cover `threshold` (0..=1; the paper uses 0.95) of the tasks; popularities are renormalised.
-    pub fn from_requests<'a>(requests: impl IntoIterator<Item = &'a Request>, threshold: f64) -> TypicalMix {
-        // The online learner without decay, fed the whole workload: one construction for both views.
-        let cfg = super::mix::MixConfig {
-            threshold,
-            window: f64::INFINITY,
-            min_pods: 0,
-            ..super::mix::MixConfig::default()
-        };
-        let mut learner = super::mix::MixLearner::new(cfg, TypicalMix::default());
-        for r in requests {
-            learner.observe(r);
-        }
-        learner.mix()
-    }
-
     /// All GPU task types, a whole-GPU type weighted by its count times its number of GPUs (so keeping
     /// an 8-GPU node whole counts for eight 1-GPU tasks), a shared type by its count.
     pub fn by_gpus_needed(&self) -> TypicalMix {

@@ -281,6 +281,28 @@ impl OnlineMix {
     }
 }
 
+/// The typical mix of a whole workload, learnt at once (the simulator's view, and the configured
+/// prior's).
+impl TypicalMix {
+    /// Builds the mix from a workload, as the paper's simulator does: task types are (cpu, GPU demand,
+    /// allowed models), counted, sorted by decreasing count, and the most popular ones are kept until
+    /// they cover `threshold` (0..=1; the paper uses 0.95) of the tasks; popularities are renormalised.
+    pub fn from_requests<'a>(requests: impl IntoIterator<Item = &'a Request>, threshold: f64) -> TypicalMix {
+        // The online learner without decay, fed the whole workload: one construction for both views.
+        let cfg = MixConfig {
+            threshold,
+            window: f64::INFINITY,
+            min_pods: 0,
+            ..MixConfig::default()
+        };
+        let mut learner = MixLearner::new(cfg, TypicalMix::default());
+        for r in requests {
+            learner.observe(r);
+        }
+        learner.mix()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

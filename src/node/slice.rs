@@ -66,6 +66,53 @@ pub fn claim_holder(claim: &k8s_openapi::api::resource::v1::ResourceClaim) -> St
         )
 }
 
+/// One device of the driver in a claim's allocation, as the agent prepares it and the placer counts
+/// it: read here once, so that both read a claim alike.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HeldDevice {
+    /// The claim's request it serves (a prioritized list's result names `<request>/<subrequest>`: the
+    /// request's part).
+    pub request: String,
+    /// The pool (the node) and the device name (`gpu-<index>`).
+    pub pool: String,
+    pub device: String,
+    /// The NVML index the device name names; `None` for a name that is not one of ours.
+    pub index: Option<u32>,
+    pub share_id: Option<String>,
+    /// The memory consumed, in whole MiB (rounded up); `Ok(None)`: no `consumedCapacity.memory`, the
+    /// whole GPU; `Err`: a value that is not a quantity (the API server validates it; a hand edit).
+    pub consumed_mib: Result<Option<u64>, String>,
+}
+
+/// The devices of `driver` that `claim`'s allocation holds (none when it is not allocated).
+pub fn held_devices(claim: &k8s_openapi::api::resource::v1::ResourceClaim, driver: &str) -> Vec<HeldDevice> {
+    let results = claim
+        .status
+        .as_ref()
+        .and_then(|s| s.allocation.as_ref())
+        .and_then(|a| a.devices.as_ref())
+        .and_then(|d| d.results.as_deref())
+        .unwrap_or_default();
+    results
+        .iter()
+        .filter(|r| r.driver == driver)
+        .map(|r| HeldDevice {
+            request: r.request.split('/').next().unwrap_or_default().to_string(),
+            pool: r.pool.clone(),
+            device: r.device.clone(),
+            index: device_index(&r.device),
+            share_id: r.share_id.clone(),
+            consumed_mib: match r.consumed_capacity.as_ref().and_then(|c| c.get(MEMORY_CAPACITY)) {
+                None => Ok(None),
+                Some(q) => crate::quantity::Quantity::parse(&q.0)
+                    .and_then(|v| v.mib_ceil())
+                    .map(Some)
+                    .map_err(|e| format!("consumed memory {:?}: {e}", q.0)),
+            },
+        })
+        .collect()
+}
+
 /// A whole number of MiB as a quantity, in the canonical form the API server stores (`15Gi`,
 /// `15358Mi`), so that what is published compares equal to what is read back.
 pub fn mib_quantity(mib: u64) -> Quantity {

@@ -22,7 +22,7 @@ const MAX_BACKOFF: Duration = Duration::from_secs(5);
 /// Feeds each event of a watch of every `K` (narrowed by `config`) to `apply`, on a task of its own,
 /// for as long as the process runs, and calls `failed` when a request fails (the cache may then miss
 /// events until the watcher, backing off up to [`MAX_BACKOFF`], has listed again). Errors are logged.
-pub(super) fn follow<K>(
+pub fn follow<K>(
     client: Client,
     config: watcher::Config,
     what: &'static str,

@@ -30,8 +30,13 @@ pub struct ScorerArgs {
     pub without_kube: bool,
 }
 
+/// Starts the DRA placer beside the extender, with the configuration's `dra` (the lease namespace
+/// filled in) and this replica's identity: the placer's `start` (`src/placer/`), handed in by `main`
+/// so that the scorer does not depend on the placer that depends on it.
+pub type StartPlacer = fn(Arc<Scorer>, Client, super::config::DraPlacementConfig, String);
+
 /// `gpumem scorer`.
-pub fn run(args: &ScorerArgs) -> anyhow::Result<()> {
+pub fn run(args: &ScorerArgs, start_placer: StartPlacer) -> anyhow::Result<()> {
     let config = match &args.config {
         Some(path) => ScorerConfig::load(path)?,
         None => ScorerConfig::default(),
@@ -69,8 +74,7 @@ pub fn run(args: &ScorerArgs) -> anyhow::Result<()> {
                 .ok()
                 .filter(|n| !n.is_empty())
                 .unwrap_or_else(|| format!("gpumem-scorer-{}", std::process::id()));
-            tracing::info!(driver = %dra.driver_name, classes = ?dra.device_classes, gate = %dra.scheduling_gate, "DRA placement on: claims of gated pods are allocated by gpumem");
-            tokio::spawn(super::dra::run(scorer.clone(), client, dra, identity));
+            start_placer(scorer.clone(), client, dra, identity);
         }
         let limits = crate::http::Limits::default();
         let bind = |addr: SocketAddr| async move {

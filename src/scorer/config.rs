@@ -75,10 +75,14 @@ pub struct ScorerConfig {
     /// Serve the verbs over TLS to clients with a certificate (`--tls-listen`); see [`TlsFiles`].
     pub tls: Option<TlsFiles>,
     /// Place pods on the DRA path (Kubernetes 1.34+): allocate their ResourceClaims with gpumem's
-    /// policy before kube-scheduler sees them; see [`super::dra`]. Absent: kube-scheduler's own
+    /// policy before kube-scheduler sees them; see the placer (`src/placer/`). Absent: kube-scheduler's own
     /// allocator places them.
     pub dra: Option<DraPlacementConfig>,
 }
+
+/// The scheduling gate that keeps a pod from kube-scheduler until the placer has allocated its claims
+/// (the chart's MutatingAdmissionPolicy adds it).
+pub const PLACEMENT_GATE: &str = "gpumem.io/placement";
 
 /// `dra` in the configuration.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
@@ -102,7 +106,7 @@ impl Default for DraPlacementConfig {
         DraPlacementConfig {
             driver_name: "gpumem.io".into(),
             device_classes: vec!["gpu.gpumem.io".into()],
-            scheduling_gate: super::dra::PLACEMENT_GATE.into(),
+            scheduling_gate: PLACEMENT_GATE.into(),
             lease_namespace: String::new(),
             lease_name: "gpumem-dra-placement".into(),
         }

@@ -14,7 +14,7 @@
 //! `gpumem_scorer_ledger_reservations`, and `gpumem_scorer_mix_pods_seen` /
 //! `gpumem_scorer_mix_generation` (the pods the typical mix was learned from, and how often it moved:
 //! generation 0 is the configured `typicalMix`), `gpumem_scorer_dra_claims_placed_total` and
-//! `gpumem_scorer_dra_leading` (placement on the DRA path, [`super::dra`]). The three cluster gauges are computed when scraped (see
+//! `gpumem_scorer_dra_leading` (placement on the DRA path: the placer, `src/placer/`). The three cluster gauges are computed when scraped (see
 //! [`super::Scorer::refresh_gauges`]), at most once per [`GAUGE_PERIOD`].
 
 use std::sync::atomic::AtomicU64;
@@ -79,6 +79,10 @@ pub struct Metrics {
     pub mix_generation: Gauge,
     pub dra_placed: Counter,
     pub dra_leading: Gauge,
+    /// Pods the placer left to kube-scheduler unplaced, by why (a short kind).
+    pub dra_released: Family<KindLabel, Counter>,
+    /// Claims the placer gave back because kube-scheduler could not schedule their pod there.
+    pub dra_given_back: Counter,
 }
 
 impl Default for Metrics {
@@ -105,6 +109,18 @@ impl Metrics {
         let mix_generation = Gauge::default();
         let dra_placed = Counter::default();
         let dra_leading = Gauge::default();
+        let dra_released = Family::<KindLabel, Counter>::default();
+        let dra_given_back = Counter::default();
+        registry.register(
+            "gpumem_scorer_dra_released",
+            "Pods with claims of gpumem's classes the placer left to kube-scheduler unplaced, by kind of reason",
+            dra_released.clone(),
+        );
+        registry.register(
+            "gpumem_scorer_dra_given_back",
+            "Claims the placer gave back to kube-scheduler after it found their pod unschedulable there for 30 s",
+            dra_given_back.clone(),
+        );
         registry.register(
             "gpumem_scorer_dra_claims_placed",
             "ResourceClaims this replica allocated on the DRA path (dra in the configuration)",
@@ -192,6 +208,8 @@ impl Metrics {
             mix_generation,
             dra_placed,
             dra_leading,
+            dra_released,
+            dra_given_back,
         }
     }
 

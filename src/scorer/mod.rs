@@ -8,7 +8,6 @@
 //! - [`state`]: node GPU state from the agent's annotations, and pod requests;
 //! - [`decide`]: filter and ranking, pure, through the shared placement policy ([`crate::alloc`]);
 //! - `filter`, [`bind`], `preempt`: the verbs (each in a tracing span naming the pod);
-//! - [`dra`]: placement on the DRA path (allocating ResourceClaims of gated pods);
 //! - [`ledger`]: binds in flight, so that concurrent decisions never double-book a GPU;
 //! - [`bookings`]: binds in flight that every replica sees, so that replicas never double-book one;
 //! - [`victims`]: GPU-aware victim selection, pure;
@@ -23,7 +22,6 @@ pub mod cache;
 pub mod cli;
 pub mod config;
 pub mod decide;
-pub mod dra;
 pub mod extender;
 mod filter;
 pub mod ledger;
@@ -314,6 +312,47 @@ impl Scorer {
     fn demand(&self, pod: Option<&Pod>) -> Result<Result<Option<PodDemand>, String>, BadRequest> {
         let pod = pod.ok_or_else(|| BadRequest("request has no Pod".into()))?;
         Ok(state::pod_demand(pod, &self.rules))
+    }
+}
+
+/// What the DRA placer (`src/placer/`) uses of the scorer: the node states, the reading of a pod's
+/// class and the ranking (the same as the extender's), what each node's pods request, and the metrics.
+impl Scorer {
+    /// The GPU state of node `name` as the agent reports it.
+    pub fn node_report(&self, name: &str) -> Option<Arc<NodeSnapshot>> {
+        self.nodes.as_ref()?.get(name)
+    }
+
+    /// `pod`'s request for a GPU `demand`, with what its labels, annotations and priority add.
+    pub fn demand_of(&self, pod: &Pod, demand: state::Demand) -> Result<PodDemand, String> {
+        let (cpu, memory) = state::cpu_memory_requests(pod);
+        state::demand_of(pod, &self.rules, demand, cpu, memory)
+    }
+
+    /// The extender's ranking of `nodes` for `pod` (`None`: it does not fit there).
+    pub fn rank(&self, nodes: &[Arc<NodeSnapshot>], pod: &PodDemand) -> Vec<Option<decide::Scored>> {
+        let mix = self.workload.current();
+        decide::prioritize(nodes, pod, &self.config, &self.policy_cache, &mix)
+    }
+
+    /// What the pods bound to `node` request, as kube-scheduler counts it (succeeded and failed pods
+    /// not counted): `(pods, CPU millicores, memory MiB)`. `None` without a pod cache.
+    pub fn requested_on(&self, node: &str) -> Option<(u64, u64, u64)> {
+        let pods = self.pods.as_ref()?;
+        Some(pods.with_node(node, |records| {
+            records
+                .iter()
+                .filter(|r| !r.terminal)
+                .fold((0, 0, 0), |(n, cpu, memory), r| {
+                    (n + 1, cpu + r.cpu_request_milli, memory + r.memory_request_mib)
+                })
+        }))
+    }
+
+    /// Counts a pod the placer placed, `started` when it began deciding.
+    pub fn placed_on_dra(&self, started: Instant) {
+        self.metrics.dra_placed.inc();
+        self.observe("dra_place", started);
     }
 }
 

@@ -34,9 +34,12 @@ pub struct PodRecord {
     pub assigned_at: Option<Timestamp>,
     /// Its GPU request; `None`: no GPU, or a request the scorer cannot read.
     pub demand: Option<Demand>,
-    /// Its CPU (millicores) and memory (MiB) requests, for the learned mix.
+    /// Its CPU (millicores) and memory (MiB) requests, as kube-scheduler sums them: for the learned
+    /// mix, and for the DRA placer's check that a node has room for one more pod.
     pub cpu_request_milli: u64,
     pub memory_request_mib: u64,
+    /// Succeeded or Failed: kube-scheduler no longer counts what it requests.
+    pub terminal: bool,
 }
 
 impl PodRecord {
@@ -63,6 +66,7 @@ impl PodRecord {
             online_min_priority: None,
         };
         let demand = state::pod_demand(pod, &rules).ok().flatten();
+        let (cpu, memory) = state::cpu_memory_requests(pod);
         let assigned_at = meta
             .annotations
             .as_ref()
@@ -80,8 +84,13 @@ impl PodRecord {
             preemptible: state::is_preemptible(pod),
             assigned_gpus: state::assigned_gpus(pod).into_iter().map(Into::into).collect(),
             assigned_at,
-            cpu_request_milli: demand.as_ref().map_or(0, |d| d.cpu_milli),
-            memory_request_mib: demand.as_ref().map_or(0, |d| d.memory_mib),
+            cpu_request_milli: cpu,
+            memory_request_mib: memory,
+            terminal: pod
+                .status
+                .as_ref()
+                .and_then(|s| s.phase.as_deref())
+                .is_some_and(|p| p == "Succeeded" || p == "Failed"),
             demand: demand.map(|d| d.demand),
         })
     }

@@ -12,7 +12,6 @@ use k8s_openapi::api::core::v1::{Node, Pod};
 use k8s_openapi::jiff::Timestamp;
 use serde::Deserialize;
 
-use super::decide::bounded_reason;
 use crate::alloc::{GpuMask, MAX_GPUS_PER_NODE};
 use crate::node::{
     AGENT_RESTART_MARK_HOLDS, AGENT_RESTARTING_ANNOTATION, ASSIGNED_GPUS_ANNOTATION, AnnotationError,
@@ -727,6 +726,25 @@ pub fn assigned_gpus(pod: &Pod) -> Vec<String> {
                 .collect()
         })
         .unwrap_or_default()
+}
+
+/// The longest reason given for one node, in bytes. A `filter` answer holds a reason per node (twice
+/// for unresolvable ones), and a reason may quote a pod's or a node's annotation: without a bound, one
+/// long annotation repeated for each of thousands of nodes makes an answer of gigabytes.
+pub const MAX_REASON_BYTES: usize = 512;
+
+/// `reason`, cut to [`MAX_REASON_BYTES`] at a character boundary (the cut marked with "...").
+pub fn bounded_reason(mut reason: String) -> String {
+    if reason.len() > MAX_REASON_BYTES {
+        let mut end = MAX_REASON_BYTES - 3;
+        while !reason.is_char_boundary(end) {
+            end -= 1;
+        }
+        reason.truncate(end);
+        reason.push_str("...");
+        reason.shrink_to_fit();
+    }
+    reason
 }
 
 #[cfg(test)]

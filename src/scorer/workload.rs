@@ -11,9 +11,8 @@ use std::collections::{HashSet, VecDeque};
 use std::sync::{Arc, Mutex};
 
 use super::config::ScorerConfig;
-use super::decide;
-use super::state::PodDemand;
-use crate::alloc::{MixConfig, OnlineMix, Request, TypicalMix};
+use super::state::{Demand, PodDemand};
+use crate::alloc::{GpuDemand, MixConfig, OnlineMix, Request, TypicalMix};
 
 /// Pod UIDs remembered, so that a pod ranked again (kube-scheduler retries, `bind` re-ranks) is
 /// counted once; the oldest are forgotten first.
@@ -80,7 +79,7 @@ impl Workload {
     /// Counts `pod` (once per UID), asking `need_mib` of one GPU where it is a memory pod (the MiB
     /// its request is on the nodes it was ranked on).
     pub fn observe(&self, pod: &PodDemand, need_mib: u64) {
-        self.observe_request(&pod.uid, &decide::request_of(pod, need_mib));
+        self.observe_request(&pod.uid, &request_of(pod, need_mib));
     }
 
     /// Counts the pod `uid` (once) asking for `request`.
@@ -122,6 +121,29 @@ impl Workload {
     /// Pods counted so far.
     pub fn seen(&self) -> u64 {
         self.lock().online.learner().seen()
+    }
+}
+
+/// `pod` in the placement policy's terms, asking `need_mib` of one GPU if it is a memory pod: what
+/// the policy ranks, and what the learned mix counts ([`super::workload`]). Allowed models are not
+/// carried: the policy reads them from the node's eligible GPUs.
+pub fn request_of(pod: &PodDemand, need_mib: u64) -> Request {
+    request(pod.demand, need_mib, pod.cpu_milli, pod.memory_mib)
+}
+
+/// The policy's request for a GPU `demand` of `need_mib` on one GPU (memory pods) with these CPU and
+/// memory requests.
+pub fn request(demand: Demand, need_mib: u64, cpu_milli: u64, memory_mib: u64) -> Request {
+    Request {
+        cpu_milli,
+        memory_mib,
+        gpu: match demand {
+            Demand::Memory { .. } => GpuDemand::Shared {
+                amount: u32::try_from(need_mib).unwrap_or(u32::MAX),
+            },
+            Demand::Whole { count } => GpuDemand::Whole { count },
+        },
+        models: None,
     }
 }
 

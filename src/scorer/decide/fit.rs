@@ -1,7 +1,7 @@
 //! Which nodes can host a pod, and why not: per-GPU fit of memory, models, health, idle GPUs and
 //! the topology a multi-GPU pod asks for.
 
-use super::super::state::{Demand, NodeSnapshot, PodDemand};
+use super::super::state::{Demand, NodeSnapshot, PodDemand, bounded_reason};
 use super::topology::*;
 use crate::alloc::GpuMask;
 
@@ -23,25 +23,6 @@ impl Rejection {
             unresolvable,
         }
     }
-}
-
-/// The longest reason given for one node, in bytes. A `filter` answer holds a reason per node (twice
-/// for unresolvable ones), and a reason may quote a pod's or a node's annotation: without a bound, one
-/// long annotation repeated for each of thousands of nodes makes an answer of gigabytes.
-pub const MAX_REASON_BYTES: usize = 512;
-
-/// `reason`, cut to [`MAX_REASON_BYTES`] at a character boundary (the cut marked with "...").
-pub fn bounded_reason(mut reason: String) -> String {
-    if reason.len() > MAX_REASON_BYTES {
-        let mut end = MAX_REASON_BYTES - 3;
-        while !reason.is_char_boundary(end) {
-            end -= 1;
-        }
-        reason.truncate(end);
-        reason.push_str("...");
-        reason.shrink_to_fit();
-    }
-    reason
 }
 
 /// A node that can host the pod.

@@ -15,9 +15,11 @@ mod rank;
 mod topology;
 mod view;
 
-pub use fit::{Fit, MAX_REASON_BYTES, Rejection, bounded_reason, check};
+pub use super::state::{MAX_REASON_BYTES, bounded_reason};
+pub use super::workload::{request, request_of};
+pub use fit::{Fit, Rejection, check};
 pub use gauges::{Fragmentation, fragmentation};
-pub use rank::{Scored, prioritize, request, request_of};
+pub use rank::{Scored, prioritize};
 pub use topology::{NVLINK_SEARCH_STEPS, pair_scores};
 pub use view::PolicyCache;
 
@@ -26,7 +28,10 @@ mod tests {
     use std::sync::Arc;
 
     use super::super::config::ScorerConfig;
-    use super::super::state::{Demand, GpuSnapshot, NodeSnapshot, PodDemand, TopologyNeed, WorkloadClass};
+    use super::super::state::{
+        Demand, GpuSnapshot, MAX_REASON_BYTES, NodeSnapshot, PodDemand, TopologyNeed, WorkloadClass,
+        bounded_reason,
+    };
     use super::super::workload::CurrentMix;
     use super::fit::*;
     use super::rank::*;

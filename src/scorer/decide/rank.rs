@@ -4,9 +4,10 @@
 use super::super::config::ScorerConfig;
 use super::super::state::{Demand, NodeSnapshot, PodDemand, WorkloadClass};
 use super::super::workload::CurrentMix;
+use super::super::workload::request_of;
 use super::fit::*;
 use super::view::*;
-use crate::alloc::{GpuDemand, GpuMask, Request};
+use crate::alloc::GpuMask;
 use rand::SeedableRng;
 use std::sync::Arc;
 
@@ -19,29 +20,6 @@ pub struct Scored {
     pub raw: f64,
     /// GPU positions the pod would get.
     pub gpus: GpuMask,
-}
-
-/// `pod` in the placement policy's terms, asking `need_mib` of one GPU if it is a memory pod: what
-/// the policy ranks, and what the learned mix counts ([`super::workload`]). Allowed models are not
-/// carried: the policy reads them from the node's eligible GPUs.
-pub fn request_of(pod: &PodDemand, need_mib: u64) -> Request {
-    request(pod.demand, need_mib, pod.cpu_milli, pod.memory_mib)
-}
-
-/// The policy's request for a GPU `demand` of `need_mib` on one GPU (memory pods) with these CPU and
-/// memory requests.
-pub fn request(demand: Demand, need_mib: u64, cpu_milli: u64, memory_mib: u64) -> Request {
-    Request {
-        cpu_milli,
-        memory_mib,
-        gpu: match demand {
-            Demand::Memory { .. } => GpuDemand::Shared {
-                amount: u32::try_from(need_mib).unwrap_or(u32::MAX),
-            },
-            Demand::Whole { count } => GpuDemand::Whole { count },
-        },
-        models: None,
-    }
 }
 
 /// Ranks `nodes` for `pod`: a score for each node that can host it ([`check`]), `None` for the others.

@@ -1,185 +1,47 @@
-//! Placement on the DRA path: gpumem, not kube-scheduler's first fit, chooses the GPU for a claim.
+//! The placer's controller: the watches (slices, claims, DeviceClasses, Nodes, gated pods), the one
+//! replica that places (a Lease), and the writes (each claim's allocation, then the gate removed).
 //!
-//! kube-scheduler 1.36 gives a claim the first device with room, in slice order, on whatever node its
-//! own scoring prefers (docs/simulate.md, "KubeDRA"); it honours a claim that is already allocated,
-//! and only checks that the pod can go to the allocation's node. So the scorer allocates first: the
-//! chart's MutatingAdmissionPolicy adds the scheduling gate [`PLACEMENT_GATE`] to every pod with
-//! ResourceClaims, which keeps kube-scheduler away from it; the one replica that holds the Lease
-//! reads the pod's claims and, for a claim of gpumem's DeviceClasses, ranks the DRA nodes with the
-//! extender's own ranking ([`super::decide`], the policy `gpumem simulate` measures), writes the
-//! allocation (the node, the device, a share of its `memory`), then removes the gate. kube-scheduler
-//! then only binds the pod to that node.
+//! The chart's MutatingAdmissionPolicy adds the scheduling gate to every pod with ResourceClaims, which
+//! keeps kube-scheduler away from it. The replica that holds the Lease reads the pod's claims
+//! ([`super::claims`]), keeps the DRA nodes the pod may use ([`super::nodes`]), chooses one node and the
+//! GPUs of every claim there ([`super::place`], with the extender's ranking), writes the allocations,
+//! then removes the gate: kube-scheduler only binds the pod to that node.
 //!
 //! No GPU is promised twice: one replica places, one pod at a time, against every allocated claim
-//! of the driver it watches (its own, as soon as written, and any kube-scheduler made), plus what the
-//! agents report. Claims in a form the scorer does not place (CEL selectors, constraints, several
-//! requests) are left to kube-scheduler: the gate is removed and it allocates them as usual.
+//! of the driver it watches (its own, as soon as decided, and any kube-scheduler made), plus what the
+//! agents report. A pod the placer cannot read (a claim form it does not place, inter-pod affinity)
+//! is released at once: kube-scheduler allocates it as usual.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use k8s_openapi::api::coordination::v1::Lease;
-use k8s_openapi::api::core::v1::{NodeSelector, NodeSelectorRequirement, NodeSelectorTerm, Pod};
-use k8s_openapi::api::resource::v1::{
-    AllocationResult, DeviceAllocationConfiguration, DeviceAllocationResult, DeviceRequestAllocationResult,
-    ResourceClaim, ResourceSlice,
-};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use k8s_openapi::api::core::v1::{Node, Pod};
+use k8s_openapi::api::resource::v1::{AllocationResult, Device, DeviceClass, ResourceClaim, ResourceSlice};
 use kube::api::{Patch, PatchParams, PostParams};
 use kube::runtime::watcher;
 use kube::{Api, Client};
 
-use super::Scorer;
-use super::config::DraPlacementConfig;
-use super::ledger::{self, Reservation};
-use super::state::{self, Demand, NodeSnapshot};
+use super::cel::Selector;
+use super::claims::{
+    AllocatedShare, Alternative, ClaimAsk, ClaimPlan, Need, allocated_shares, allocation_result, claim_ask,
+    claim_key, claim_names, placed_by_gpumem,
+};
+use super::nodes::{NodeFacts, PodRules, Resources};
+use super::place::{self, DraNode, Ranked, Unplaced};
 use crate::lease;
-use crate::node::slice::{MEMORY_CAPACITY, claim_holder, device_index, device_name, mib_quantity};
-use crate::quantity::Quantity;
+use crate::scorer::Scorer;
+use crate::scorer::config::DraPlacementConfig;
+use crate::scorer::ledger::{self, Reservation};
+use crate::scorer::state::{Demand, NodeSnapshot};
 
-/// The scheduling gate that keeps a pod from kube-scheduler until its claim is placed.
-pub const PLACEMENT_GATE: &str = "gpumem.io/placement";
 /// The finalizer kube-scheduler puts on a claim it allocates: with it, the resource claim controller
 /// clears the allocation once no pod uses the claim, as for kube-scheduler's own.
 pub const CLAIM_FINALIZER: &str = "resource.kubernetes.io/delete-protection";
 /// How often the gated pods are looked at again without an event (room freed elsewhere, a claim the
 /// controller had not made yet).
 const RETRY_EVERY: Duration = Duration::from_secs(2);
-
-/// What one request of a claim asks of gpumem's GPUs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Need {
-    /// This much memory of one GPU.
-    Mib(u64),
-    /// This many whole GPUs.
-    Whole(u32),
-}
-
-/// What the scorer does with one of a pod's claims.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum ClaimAsk {
-    /// No request names one of gpumem's DeviceClasses.
-    NotOurs,
-    /// Allocated already (shared by several pods, or allocated by someone else).
-    Allocated,
-    /// gpumem places it: its request `request` asks `need`.
-    Place { request: String, need: Need },
-    /// gpumem's, in a form the scorer does not place (why): kube-scheduler allocates it.
-    Unsupported(String),
-}
-
-/// Reads what `claim` asks, for the DeviceClasses `classes`.
-pub fn claim_ask(claim: &ResourceClaim, classes: &[String]) -> ClaimAsk {
-    if claim.status.as_ref().is_some_and(|s| s.allocation.is_some()) {
-        return ClaimAsk::Allocated;
-    }
-    let devices = claim.spec.devices.as_ref();
-    let requests = devices.and_then(|d| d.requests.as_deref()).unwrap_or_default();
-    let ours = |class: &str| classes.iter().any(|c| c == class);
-    let names_ours = |r: &k8s_openapi::api::resource::v1::DeviceRequest| {
-        r.exactly.as_ref().is_some_and(|e| ours(&e.device_class_name))
-            || r.first_available
-                .iter()
-                .flatten()
-                .any(|s| ours(&s.device_class_name))
-    };
-    if !requests.iter().any(names_ours) {
-        return ClaimAsk::NotOurs;
-    }
-    let unsupported = |why: &str| ClaimAsk::Unsupported(why.to_string());
-    if requests.len() > 1 {
-        return unsupported("it has more than one request");
-    }
-    if devices.is_some_and(|d| d.constraints.as_ref().is_some_and(|c| !c.is_empty())) {
-        return unsupported("it has constraints");
-    }
-    let request = &requests[0];
-    let Some(exactly) = &request.exactly else {
-        return unsupported("its request is a prioritized list (firstAvailable)");
-    };
-    if exactly.selectors.as_ref().is_some_and(|s| !s.is_empty()) {
-        return unsupported("its request has CEL selectors");
-    }
-    if exactly.admin_access == Some(true) {
-        return unsupported("its request asks for admin access");
-    }
-    match exactly.allocation_mode.as_deref() {
-        None | Some("ExactCount") => {}
-        Some(mode) => return unsupported(&format!("its request's allocationMode is {mode}")),
-    }
-    let count = exactly.count.unwrap_or(1);
-    let Some(count) = u32::try_from(count)
-        .ok()
-        .filter(|c| (1..=crate::alloc::MAX_GPUS_PER_NODE as u32).contains(c))
-    else {
-        return unsupported(&format!("its request's count is {count}"));
-    };
-    let capacity = exactly.capacity.as_ref().and_then(|c| c.requests.as_ref());
-    if let Some(other) = capacity.and_then(|c| c.keys().find(|k| *k != MEMORY_CAPACITY)) {
-        return unsupported(&format!("it asks for capacity {other:?}"));
-    }
-    let need = match capacity.and_then(|c| c.get(MEMORY_CAPACITY)) {
-        None => Need::Whole(count),
-        Some(_) if count > 1 => return unsupported("it asks for memory of several GPUs"),
-        Some(q) => match Quantity::parse(&q.0).and_then(|q| q.mib_ceil()) {
-            Ok(mib) if mib > 0 => Need::Mib(mib),
-            Ok(_) => return unsupported("it asks for no memory"),
-            Err(e) => return unsupported(&format!("its memory {:?}: {e}", q.0)),
-        },
-    };
-    ClaimAsk::Place {
-        request: request.name.clone(),
-        need,
-    }
-}
-
-/// A claim's allocation on one of the driver's devices, as the placer accounts for it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct AllocatedShare {
-    pub node: String,
-    /// The GPU's NVML index.
-    pub index: u32,
-    /// MiB consumed; `None` = the whole GPU.
-    pub mib: Option<u64>,
-    /// Who holds it, as the agent's usage annotation will list it once prepared.
-    pub owner: String,
-}
-
-/// The shares `claim` holds on `driver`'s devices (none when it is not allocated).
-pub fn allocated_shares(claim: &ResourceClaim, driver: &str) -> Vec<AllocatedShare> {
-    let Some(status) = claim.status.as_ref() else {
-        return Vec::new();
-    };
-    let Some(results) = status
-        .allocation
-        .as_ref()
-        .and_then(|a| a.devices.as_ref())
-        .and_then(|d| d.results.as_ref())
-    else {
-        return Vec::new();
-    };
-    // The key the agent's usage annotation gives the claim once prepared.
-    let owner = claim_holder(claim);
-    results
-        .iter()
-        .filter(|r| r.driver == driver)
-        .filter_map(|r| {
-            let index = device_index(&r.device)?;
-            let mib = r
-                .consumed_capacity
-                .as_ref()
-                .and_then(|c| c.get(MEMORY_CAPACITY))
-                .and_then(|q| Quantity::parse(&q.0).and_then(|q| q.mib_ceil()).ok());
-            Some(AllocatedShare {
-                node: r.pool.clone(),
-                index,
-                mib,
-                owner: owner.clone(),
-            })
-        })
-        .collect()
-}
 
 /// Takes out of `node` the shares its usage annotation does not show yet (allocated, not prepared).
 pub fn subtract_unshown(node: &mut NodeSnapshot, shares: &[AllocatedShare]) {
@@ -201,65 +63,10 @@ pub fn subtract_unshown(node: &mut NodeSnapshot, shares: &[AllocatedShare]) {
     }
 }
 
-/// The memory of a whole GPU as the agent offers it: its whole units.
-fn offered_mib(memory_mib: u64, unit_mib: u64) -> u64 {
-    let unit = unit_mib.max(1);
-    crate::plugin::devices::units_per_gpu(memory_mib, unit) * unit
-}
-
-/// The allocation the scorer writes into `claim`: request `request` gets the GPUs `chosen` (NVML index,
-/// MiB) on `node`, each as a share of its `memory` whose ID is the claim's UID (unique per device, and
-/// the same on a retry), with the claim's configuration, and a node selector for `node`.
-pub fn allocation_result(
-    claim: &ResourceClaim,
-    driver: &str,
-    request: &str,
-    node: &str,
-    chosen: &[(u32, u64)],
-) -> AllocationResult {
-    let results = chosen
-        .iter()
-        .map(|&(index, mib)| DeviceRequestAllocationResult {
-            request: request.to_string(),
-            driver: driver.to_string(),
-            pool: node.to_string(),
-            device: device_name(index),
-            share_id: claim.metadata.uid.clone(),
-            consumed_capacity: Some(BTreeMap::from([(MEMORY_CAPACITY.to_string(), mib_quantity(mib))])),
-            ..Default::default()
-        })
-        .collect();
-    let config: Vec<DeviceAllocationConfiguration> = claim
-        .spec
-        .devices
-        .as_ref()
-        .and_then(|d| d.config.as_ref())
-        .into_iter()
-        .flatten()
-        .map(|c| DeviceAllocationConfiguration {
-            opaque: c.opaque.clone(),
-            requests: c.requests.clone(),
-            source: "FromClaim".into(),
-        })
-        .collect();
-    AllocationResult {
-        allocation_timestamp: Some(Time(k8s_openapi::jiff::Timestamp::now())),
-        devices: Some(DeviceAllocationResult {
-            config: (!config.is_empty()).then_some(config),
-            results: Some(results),
-        }),
-        node_selector: Some(NodeSelector {
-            node_selector_terms: vec![NodeSelectorTerm {
-                match_fields: Some(vec![NodeSelectorRequirement {
-                    key: "metadata.name".into(),
-                    operator: "In".into(),
-                    values: Some(vec![node.to_string()]),
-                }]),
-                ..Default::default()
-            }],
-        }),
-    }
-}
+/// How long kube-scheduler may find a pod unschedulable, with a claim gpumem placed, before the claim is
+/// given back to it: the node gpumem chose does not take the pod (a rule the placer does not read, or
+/// one that changed since), and waiting on for that node could be for good.
+pub const GIVE_BACK_AFTER: Duration = Duration::from_secs(30);
 
 /// Whether `pod` still carries `gate`.
 pub fn is_gated(pod: &Pod, gate: &str) -> bool {
@@ -267,29 +74,6 @@ pub fn is_gated(pod: &Pod, gate: &str) -> bool {
         .as_ref()
         .and_then(|s| s.scheduling_gates.as_ref())
         .is_some_and(|g| g.iter().any(|g| g.name == gate))
-}
-
-/// How long kube-scheduler may find a pod unschedulable, with a claim gpumem placed, before the claim is
-/// given back to it: the node gpumem chose does not take the pod (its selector, affinity, a taint, the
-/// node's CPU), and waiting on for that node could be for good.
-pub const GIVE_BACK_AFTER: Duration = Duration::from_secs(30);
-
-/// Whether gpumem wrote `claim`'s allocation: each of `driver`'s results carries the claim's UID as its
-/// share ID ([`allocation_result`]); kube-scheduler's allocator makes up a fresh one.
-pub fn placed_by_gpumem(claim: &ResourceClaim, driver: &str) -> bool {
-    let uid = claim.metadata.uid.as_deref();
-    let results = claim
-        .status
-        .as_ref()
-        .and_then(|s| s.allocation.as_ref())
-        .and_then(|a| a.devices.as_ref())
-        .and_then(|d| d.results.as_ref());
-    let mine: Vec<_> = results
-        .into_iter()
-        .flatten()
-        .filter(|r| r.driver == driver)
-        .collect();
-    uid.is_some() && !mine.is_empty() && mine.iter().all(|r| r.share_id.as_deref() == uid)
 }
 
 /// Whether kube-scheduler has found `pod` unschedulable (its `PodScheduled` condition False, reason
@@ -334,28 +118,6 @@ pub fn claims_to_give_back(
                     .is_some_and(|r| !r.is_empty());
                 !reserved && placed_by_gpumem(c, driver)
             })
-        })
-        .collect()
-}
-
-/// The names of `pod`'s ResourceClaims, in its order; `None` while one made from a template is not
-/// created yet (the resource claim controller records it in the pod's status).
-pub fn claim_names(pod: &Pod) -> Option<Vec<String>> {
-    let entries = pod.spec.as_ref().and_then(|s| s.resource_claims.as_ref());
-    let statuses = pod
-        .status
-        .as_ref()
-        .and_then(|s| s.resource_claim_statuses.as_ref());
-    entries
-        .into_iter()
-        .flatten()
-        .map(|e| match &e.resource_claim_name {
-            Some(name) => Some(name.clone()),
-            None => statuses?
-                .iter()
-                .find(|s| s.name == e.name)?
-                .resource_claim_name
-                .clone(),
         })
         .collect()
 }
@@ -428,17 +190,22 @@ impl Shares {
 /// What the placer knows between decisions.
 #[derive(Default)]
 struct Known {
-    /// Nodes with a ResourceSlice of the driver: the DRA nodes.
-    slices: HashMap<String, HashSet<String>>,
+    /// The driver's ResourceSlices by name: the node each is for, and its devices.
+    slices: HashMap<String, (String, Vec<Device>)>,
+    /// DeviceClasses by name (their selectors and configuration apply to the requests naming them).
+    classes: BTreeMap<String, DeviceClass>,
+    /// What kube-scheduler's node filters read of each Node.
+    nodes: HashMap<String, NodeFacts>,
     shares: Shares,
     /// Every claim as the watch last showed it, by `namespace/name`: a decision reads a pod's claims
     /// here, not from the API server (a stale copy only costs a conflict on the write, which is retried).
     claims: HashMap<String, Arc<ResourceClaim>>,
-    /// Counts the events that may have freed room (a claim deallocated or deleted, a slice changed).
+    /// Counts the events that may have freed room (a claim deallocated or deleted, a slice, class or
+    /// node changed).
     room_freed: u64,
     /// Pods that found no room, with `room_freed` and the time then.
     no_room: HashMap<String, (u64, std::time::Instant)>,
-    /// Pods whose claim is being written (by pod UID): not looked at again meanwhile.
+    /// Pods whose claims are being written (by pod UID): not looked at again meanwhile.
     writing: HashSet<String>,
     /// Gated pods by UID.
     gated: HashMap<String, Pod>,
@@ -449,28 +216,24 @@ struct Known {
     waiting: HashMap<String, String>,
 }
 
+/// Compiled CEL selectors by expression, kept between decisions (at most this many).
+const SELECTORS_KEPT: usize = 1024;
+
 /// The DRA placer: the caches it reads and the one replica's loop.
 pub struct Placer {
     config: DraPlacementConfig,
     known: Mutex<Known>,
+    selectors: Mutex<HashMap<String, Arc<Selector>>>,
     changed: tokio::sync::Notify,
     writes: Arc<tokio::sync::Semaphore>,
-}
-
-/// Where a claim goes.
-struct Choice {
-    node: String,
-    /// NVML index and the MiB the claim consumes there, per GPU.
-    gpus: Vec<(u32, u64)>,
-    /// The request as ranked (what the learned mix counts).
-    demand: state::PodDemand,
 }
 
 /// What became of one gated pod that is not placed now.
 #[derive(Debug, PartialEq, Eq)]
 enum Outcome {
-    /// Nothing for gpumem to place: the gate is gone, kube-scheduler goes on alone (why).
-    Released(String),
+    /// Nothing for gpumem to place: the gate is gone, kube-scheduler goes on alone (a short kind for
+    /// the metric, and why).
+    Released(&'static str, String),
     /// Stays gated, looked at again later (why).
     Waiting(String),
     /// Stays gated until room is freed somewhere (why).
@@ -480,10 +243,9 @@ enum Outcome {
 /// What the placer decided for one gated pod.
 enum Decision {
     Done(Outcome),
-    /// Allocate `claim` so, on `node` (already counted there), then release the pod.
+    /// Allocate each claim so, on `node` (already counted there), then release the pod.
     Write {
-        claim: Box<ResourceClaim>,
-        allocation: Box<AllocationResult>,
+        writes: Vec<(ResourceClaim, AllocationResult)>,
         node: String,
     },
 }
@@ -494,14 +256,6 @@ const RECHECK_EVERY: Duration = Duration::from_secs(10);
 /// Allocations written at once, each a few requests to the API server: decisions stay one at a
 /// time, the round trips overlap.
 const WRITES_IN_FLIGHT: usize = 16;
-
-fn claim_key(claim: &ResourceClaim) -> String {
-    format!(
-        "{}/{}",
-        claim.metadata.namespace.as_deref().unwrap_or_default(),
-        claim.metadata.name.as_deref().unwrap_or_default()
-    )
-}
 
 fn pod_key(pod: &Pod) -> String {
     format!(
@@ -519,11 +273,23 @@ fn api_failure(e: kube::Error) -> String {
     }
 }
 
+/// Whether a claim's search may have missed room kube-scheduler's would find: several requests,
+/// alternatives or constraints (the placer's search is greedy, kube-scheduler's backtracks).
+fn searched_greedily(plans: &[ClaimPlan]) -> bool {
+    plans.len() > 1
+        || plans.iter().any(|p| {
+            p.requests.len() > 1
+                || !p.constraints.is_empty()
+                || p.requests.iter().any(|r| r.alternatives.len() > 1)
+        })
+}
+
 impl Placer {
     pub fn new(config: DraPlacementConfig) -> Arc<Placer> {
         Arc::new(Placer {
             config,
             known: Mutex::new(Known::default()),
+            selectors: Mutex::new(HashMap::new()),
             changed: tokio::sync::Notify::new(),
             writes: Arc::new(tokio::sync::Semaphore::new(WRITES_IN_FLIGHT)),
         })
@@ -533,10 +299,11 @@ impl Placer {
         self.known.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Starts the watches of slices, claims and unscheduled pods.
+    /// Starts the watches of slices, claims, DeviceClasses, Nodes and unscheduled pods.
     fn follow(self: &Arc<Self>, client: &Client) {
+        use crate::scorer::cache::follow;
         let me = Arc::clone(self);
-        super::cache::follow::<ResourceSlice>(
+        follow::<ResourceSlice>(
             client.clone(),
             watcher::Config::default(),
             "resourceslice",
@@ -544,7 +311,7 @@ impl Placer {
             || (),
         );
         let me = Arc::clone(self);
-        super::cache::follow::<ResourceClaim>(
+        follow::<ResourceClaim>(
             client.clone(),
             watcher::Config::default(),
             "resourceclaim",
@@ -552,8 +319,24 @@ impl Placer {
             || (),
         );
         let me = Arc::clone(self);
+        follow::<DeviceClass>(
+            client.clone(),
+            watcher::Config::default(),
+            "deviceclass",
+            move |e| me.on_class(e),
+            || (),
+        );
+        let me = Arc::clone(self);
+        follow::<Node>(
+            client.clone(),
+            watcher::Config::default(),
+            "node",
+            move |e| me.on_node(e),
+            || (),
+        );
+        let me = Arc::clone(self);
         let unscheduled = watcher::Config::default().fields("spec.nodeName=");
-        super::cache::follow::<Pod>(
+        follow::<Pod>(
             client.clone(),
             unscheduled,
             "unscheduled pod",
@@ -565,31 +348,70 @@ impl Placer {
     fn on_slice(&self, event: &watcher::Event<ResourceSlice>) {
         let mut known = self.known();
         known.room_freed += 1;
-        let add = |known: &mut Known, s: &ResourceSlice| {
-            if s.spec.driver == self.config.driver_name
-                && let Some(node) = s.spec.node_name.clone()
-            {
-                let name = s.metadata.name.clone().unwrap_or_default();
-                known.slices.entry(node).or_default().insert(name);
-            }
-        };
+        let name = |s: &ResourceSlice| s.metadata.name.clone().unwrap_or_default();
         match event {
             watcher::Event::Init => known.slices.clear(),
-            watcher::Event::InitApply(s) | watcher::Event::Apply(s) => add(&mut known, s),
-            watcher::Event::Delete(s) => {
-                if let Some(node) = &s.spec.node_name
-                    && let Some(names) = known.slices.get_mut(node)
+            watcher::Event::InitApply(s) | watcher::Event::Apply(s) => {
+                if s.spec.driver == self.config.driver_name
+                    && let Some(node) = s.spec.node_name.clone()
                 {
-                    names.remove(s.metadata.name.as_deref().unwrap_or_default());
-                    if names.is_empty() {
-                        known.slices.remove(node);
-                    }
+                    let devices = s.spec.devices.clone().unwrap_or_default();
+                    known.slices.insert(name(s), (node, devices));
                 }
+            }
+            watcher::Event::Delete(s) => {
+                known.slices.remove(&name(s));
             }
             watcher::Event::InitDone => {}
         }
         drop(known);
         self.changed.notify_one();
+    }
+
+    fn on_class(&self, event: &watcher::Event<DeviceClass>) {
+        let mut known = self.known();
+        known.room_freed += 1;
+        let name = |c: &DeviceClass| c.metadata.name.clone().unwrap_or_default();
+        match event {
+            watcher::Event::Init => known.classes.clear(),
+            watcher::Event::InitApply(c) | watcher::Event::Apply(c) => {
+                known.classes.insert(name(c), c.clone());
+            }
+            watcher::Event::Delete(c) => {
+                known.classes.remove(&name(c));
+            }
+            watcher::Event::InitDone => {}
+        }
+        drop(known);
+        self.changed.notify_one();
+    }
+
+    fn on_node(&self, event: &watcher::Event<Node>) {
+        let mut known = self.known();
+        let changed = match event {
+            watcher::Event::Init => {
+                known.nodes.clear();
+                true
+            }
+            watcher::Event::InitApply(n) | watcher::Event::Apply(n) => {
+                let facts = NodeFacts::from_node(n);
+                // A Node's status is written every few seconds: only a change of what the node filters
+                // read may let a waiting pod in.
+                let same = known.nodes.get(&facts.name) == Some(&facts);
+                known.nodes.insert(facts.name.clone(), facts);
+                !same
+            }
+            watcher::Event::Delete(n) => {
+                known.nodes.remove(n.metadata.name.as_deref().unwrap_or_default());
+                true
+            }
+            watcher::Event::InitDone => false,
+        };
+        if changed {
+            known.room_freed += 1;
+            drop(known);
+            self.changed.notify_one();
+        }
     }
 
     fn on_claim(&self, event: &watcher::Event<ResourceClaim>) {
@@ -658,100 +480,119 @@ impl Placer {
         self.changed.notify_one();
     }
 
-    /// The DRA nodes as the placer sees them: the agent's report, less the claims allocated there
-    /// that the report does not show yet.
-    fn nodes(&self, scorer: &Scorer) -> Vec<Arc<NodeSnapshot>> {
+    /// The DRA nodes `rules` let the pod use (only `pinned`, when one of its claims is allocated
+    /// there), each as the placer counts it: the agent's report, less the claims allocated there that
+    /// the report does not show yet. Also why each other DRA node is not one.
+    fn candidates(
+        &self,
+        scorer: &Scorer,
+        rules: &PodRules,
+        pinned: Option<&str>,
+    ) -> (Vec<DraNode>, Vec<String>) {
         let known = self.known();
-        let mut by_node: HashMap<&str, Vec<AllocatedShare>> = HashMap::new();
-        for share in known.shares.all() {
-            by_node
-                .entry(share.node.as_str())
+        let mut devices: BTreeMap<&str, Vec<Device>> = BTreeMap::new();
+        for (node, slice_devices) in known.slices.values() {
+            devices
+                .entry(node.as_str())
                 .or_default()
-                .push(share.clone());
+                .extend(slice_devices.iter().cloned());
         }
-        let mut nodes: Vec<Arc<NodeSnapshot>> = known
-            .slices
-            .keys()
-            .filter_map(|name| scorer.nodes.as_ref()?.get(name))
-            .map(|mut node| {
-                if let Some(shares) = by_node.get(node.name.as_str()) {
-                    subtract_unshown(Arc::make_mut(&mut node), shares);
-                }
-                node
-            })
-            .collect();
-        // A stable order: ties go the same way every time.
-        nodes.sort_by(|a, b| a.name.cmp(&b.name));
-        nodes
-    }
-
-    /// Chooses the node and GPUs for `pod`'s `need`: the extender's ranking over the DRA nodes.
-    fn choose(&self, scorer: &Scorer, pod: &Pod, need: Need) -> Result<Choice, String> {
-        let nodes = self.nodes(scorer);
-        if nodes.is_empty() {
-            return Err("no node publishes a ResourceSlice of the driver".into());
+        let mut shares: HashMap<&str, Vec<AllocatedShare>> = HashMap::new();
+        for share in known.shares.all() {
+            shares.entry(share.node.as_str()).or_default().push(share.clone());
         }
-        let (cpu, memory) = state::cpu_memory_requests(pod);
-        let mix = scorer.workload.current();
-        // Memory is asked in MiB; a node counts it in its unit (the slice's step): rank each unit's
-        // nodes with the demand in that unit (every node has the same unit in practice).
-        let mut units: BTreeMap<u64, Vec<Arc<NodeSnapshot>>> = BTreeMap::new();
-        for n in nodes {
-            units.entry(n.unit_mib.max(1)).or_default().push(n);
-        }
-        let mut best: Option<(f64, Arc<NodeSnapshot>, crate::alloc::GpuMask, state::PodDemand)> = None;
-        let mut rejection: Option<String> = None;
-        for (unit, group) in units {
-            let demand = match need {
-                Need::Mib(mib) => Demand::Memory {
-                    units: mib.div_ceil(unit),
-                },
-                Need::Whole(count) => Demand::Whole { count },
-            };
-            let d = state::demand_of(pod, &scorer.rules, demand, cpu, memory)?;
-            let scored = super::decide::prioritize(&group, &d, &scorer.config, &scorer.policy_cache, &mix);
-            for (node, s) in group.iter().zip(scored) {
-                match s {
-                    Some(s) if !s.gpus.is_empty() && best.as_ref().is_none_or(|b| s.raw > b.0) => {
-                        best = Some((s.raw, Arc::clone(node), s.gpus, d.clone()));
-                    }
-                    Some(_) => {}
-                    None if rejection.is_none() => {
-                        rejection = super::decide::check(node, &d)
-                            .err()
-                            .map(|r| format!("{}: {}", node.name, r.reason));
-                    }
-                    None => {}
-                }
+        let (mut candidates, mut rejected) = (Vec::new(), Vec::new());
+        for (name, devices) in devices {
+            if pinned.is_some_and(|p| p != name) {
+                continue;
             }
+            let Some(facts) = known.nodes.get(name) else {
+                rejected.push(format!("{name}: its Node is not known yet"));
+                continue;
+            };
+            let (pods, cpu_milli, memory_mib) = scorer.requested_on(name).unwrap_or_default();
+            let in_use = Resources {
+                cpu_milli,
+                memory_bytes: memory_mib.saturating_mul(1 << 20),
+                pods,
+                ..Resources::default()
+            };
+            if let Err(why) = rules.admits(facts, in_use) {
+                rejected.push(format!("{name}: {why}"));
+                continue;
+            }
+            let Some(mut state) = scorer.node_report(name) else {
+                rejected.push(format!("{name}: the agent's report is not read yet"));
+                continue;
+            };
+            if let Some(shares) = shares.get(name) {
+                subtract_unshown(Arc::make_mut(&mut state), shares);
+            }
+            candidates.push(DraNode { state, devices });
         }
-        let Some((_, node, gpus, d)) = best else {
-            return Err(format!(
-                "no DRA node has room ({})",
-                rejection.unwrap_or_else(|| "none fits".into())
-            ));
-        };
-        let chosen = gpus
-            .iter()
-            .map(|p| {
-                let gpu = &node.gpus()[p];
-                let mib = match need {
-                    Need::Mib(_) => d.memory_mib(node.unit_mib),
-                    Need::Whole(_) => offered_mib(gpu.memory_mib, node.unit_mib),
-                };
-                (gpu.index, mib)
-            })
-            .collect();
-        Ok(Choice {
-            node: node.name.clone(),
-            gpus: chosen,
-            demand: d,
-        })
+        (candidates, rejected)
     }
 
-    /// Looks at one gated pod: decides where its claim goes (and counts it there at once), releases it
-    /// to kube-scheduler, or leaves it waiting.
+    /// The compiled selectors of `expressions`; `Err`: one the CEL library cannot compile.
+    fn compiled(&self, expressions: &[&str]) -> Result<HashMap<String, Arc<Selector>>, String> {
+        let mut kept = self.selectors.lock().unwrap_or_else(|e| e.into_inner());
+        if kept.len() > SELECTORS_KEPT {
+            kept.clear();
+        }
+        let mut out = HashMap::new();
+        for &e in expressions {
+            let selector = match kept.get(e) {
+                Some(s) => Arc::clone(s),
+                None => {
+                    let s =
+                        Arc::new(Selector::compile(e).map_err(|err| format!("CEL selector {e:?}: {err}"))?);
+                    kept.insert(e.to_string(), Arc::clone(&s));
+                    s
+                }
+            };
+            out.insert(e.to_string(), selector);
+        }
+        Ok(out)
+    }
+
+    /// The CEL expressions of the DeviceClasses the claims' alternatives name; `Err`: a class that does
+    /// not exist yet (wait), or one with a selector that is not CEL (release).
+    fn class_selectors(
+        &self,
+        to_place: &[(ResourceClaim, ClaimPlan)],
+    ) -> Result<HashMap<String, Vec<String>>, Outcome> {
+        let known = self.known();
+        let mut out = HashMap::new();
+        for alt in to_place
+            .iter()
+            .flat_map(|(_, p)| &p.requests)
+            .flat_map(|r| &r.alternatives)
+        {
+            let Some(class) = known.classes.get(&alt.class) else {
+                return Err(Outcome::Waiting(format!(
+                    "DeviceClass {} does not exist",
+                    alt.class
+                )));
+            };
+            let expressions = class.spec.selectors.iter().flatten();
+            let Some(expressions) = expressions
+                .map(|s| s.cel.as_ref().map(|c| c.expression.clone()))
+                .collect()
+            else {
+                return Err(Outcome::Released(
+                    "selector",
+                    format!("DeviceClass {} has a selector that is not CEL", alt.class),
+                ));
+            };
+            out.insert(alt.class.clone(), expressions);
+        }
+        Ok(out)
+    }
+
+    /// Looks at one gated pod: decides where its claims go (and counts them there at once), releases
+    /// it to kube-scheduler, or leaves it waiting.
     async fn decide(&self, scorer: &Scorer, client: &Client, pod: &Pod) -> Result<Decision, kube::Error> {
+        let driver = self.config.driver_name.as_str();
         let namespace = pod.metadata.namespace.as_deref().unwrap_or("default");
         let Some(names) = claim_names(pod) else {
             return Ok(Decision::Done(Outcome::Waiting(
@@ -759,7 +600,8 @@ impl Placer {
             )));
         };
         let claims: Api<ResourceClaim> = Api::namespaced(client.clone(), namespace);
-        let mut to_place = Vec::new();
+        let mut to_place: Vec<(ResourceClaim, ClaimPlan)> = Vec::new();
+        let mut pinned: Option<String> = None;
         for name in &names {
             let cached = self.known().claims.get(&format!("{namespace}/{name}")).cloned();
             let claim = match cached {
@@ -772,65 +614,193 @@ impl Placer {
                 ))));
             };
             match claim_ask(&claim, &self.config.device_classes) {
-                ClaimAsk::NotOurs | ClaimAsk::Allocated => {}
-                ClaimAsk::Unsupported(why) => {
-                    self.release(client, pod).await?;
-                    return Ok(Decision::Done(Outcome::Released(format!("claim {name}: {why}"))));
+                ClaimAsk::NotOurs => {}
+                // The pod goes where its allocated claims are.
+                ClaimAsk::Allocated => {
+                    if let Some(share) = allocated_shares(&claim, driver).first() {
+                        pinned = Some(share.node.clone());
+                    }
                 }
-                ClaimAsk::Place { request, need } => to_place.push((claim, request, need)),
+                ClaimAsk::Unsupported(u) => {
+                    return self
+                        .released(client, pod, u.kind, format!("claim {name}: {}", u.why))
+                        .await;
+                }
+                ClaimAsk::Place(plan) => to_place.push((claim, plan)),
             }
         }
-        let (claim, request, need) = match to_place.len() {
-            0 => {
-                self.release(client, pod).await?;
-                return Ok(Decision::Done(Outcome::Released(
+        if to_place.is_empty() {
+            return self
+                .released(
+                    client,
+                    pod,
+                    "nothing_to_place",
                     "no claim for gpumem to place".into(),
-                )));
+                )
+                .await;
+        }
+        let rules = match PodRules::of(pod) {
+            Ok(rules) => rules,
+            Err(why) => return self.released(client, pod, "pod_rules", why.to_string()).await,
+        };
+        // The selectors: each alternative's, and its class's.
+        let class_selectors = match self.class_selectors(&to_place) {
+            Ok(selectors) => selectors,
+            Err(Outcome::Released(kind, why)) => return self.released(client, pod, kind, why).await,
+            Err(other) => return Ok(Decision::Done(other)),
+        };
+        let all: Vec<&str> = class_selectors
+            .values()
+            .flatten()
+            .chain(
+                to_place
+                    .iter()
+                    .flat_map(|(_, p)| &p.requests)
+                    .flat_map(|r| &r.alternatives)
+                    .flat_map(|a| &a.selectors),
+            )
+            .map(String::as_str)
+            .collect();
+        let compiled = match self.compiled(&all) {
+            Ok(c) => c,
+            Err(why) => return self.released(client, pod, "cel", why).await,
+        };
+        // A pod whose labels or annotations the scorer cannot read waits with the reason, as on the
+        // extender path.
+        if let Err(why) = scorer.demand_of(pod, Demand::Whole { count: 1 }) {
+            return Ok(Decision::Done(Outcome::NoRoom(why)));
+        }
+        let (candidates, rejected) = self.candidates(scorer, &rules, pinned.as_deref());
+        if candidates.is_empty() {
+            let shown: Vec<&str> = rejected.iter().take(3).map(String::as_str).collect();
+            return Ok(Decision::Done(Outcome::NoRoom(format!(
+                "no DRA node the pod may use ({})",
+                if shown.is_empty() {
+                    "no node publishes a ResourceSlice of the driver".into()
+                } else {
+                    shown.join("; ")
+                }
+            ))));
+        }
+        let selects = |alt: &Alternative, device: &Device| -> Result<bool, String> {
+            let class = class_selectors.get(&alt.class).into_iter().flatten();
+            for e in class.chain(&alt.selectors) {
+                let Some(selector) = compiled.get(e) else {
+                    return Ok(false);
+                };
+                if !selector.matches(driver, device).map_err(|err| err.to_string())? {
+                    return Ok(false);
+                }
             }
-            1 => to_place.remove(0),
-            n => {
-                self.release(client, pod).await?;
-                return Ok(Decision::Done(Outcome::Released(format!(
-                    "{n} claims of gpumem's classes, placed one per pod"
-                ))));
+            Ok(true)
+        };
+        let rank = |nodes: &[Arc<NodeSnapshot>], need: Need| -> Vec<Option<Ranked>> {
+            // Memory is asked in MiB; a node counts it in its unit: rank each unit's nodes in that unit.
+            let mut by_unit: BTreeMap<u64, Vec<usize>> = BTreeMap::new();
+            for (i, n) in nodes.iter().enumerate() {
+                by_unit.entry(n.unit_mib.max(1)).or_default().push(i);
             }
+            let mut out = vec![None; nodes.len()];
+            for (unit, members) in by_unit {
+                let demand = match need {
+                    Need::Mib(mib) => Demand::Memory {
+                        units: mib.div_ceil(unit),
+                    },
+                    Need::Whole(count) => Demand::Whole { count },
+                };
+                let Ok(d) = scorer.demand_of(pod, demand) else {
+                    continue;
+                };
+                let group: Vec<Arc<NodeSnapshot>> = members.iter().map(|&i| Arc::clone(&nodes[i])).collect();
+                for (&i, scored) in members.iter().zip(scorer.rank(&group, &d)) {
+                    out[i] = scored.filter(|s| !s.gpus.is_empty()).map(|s| Ranked {
+                        raw: s.raw,
+                        gpus: s.gpus,
+                    });
+                }
+            }
+            out
         };
-        let choice = match self.choose(scorer, pod, need) {
-            Ok(choice) => choice,
-            Err(why) => return Ok(Decision::Done(Outcome::NoRoom(why))),
+        let plans: Vec<ClaimPlan> = to_place.iter().map(|(_, p)| p.clone()).collect();
+        let placement = match place::place(&plans, &candidates, driver, &selects, &rank) {
+            Ok(p) => p,
+            Err(Unplaced::Selector(why)) => {
+                let why =
+                    format!("{why}; kube-scheduler stops at such an error and says so in the pod's events");
+                return self.released(client, pod, "cel_error", why).await;
+            }
+            Err(Unplaced::NoRoom(why)) if searched_greedily(&plans) => {
+                let why = format!("{why}; kube-scheduler's search may find what the placer's did not");
+                return self.released(client, pod, "no_room_searched", why).await;
+            }
+            Err(Unplaced::NoRoom(why)) => return Ok(Decision::Done(Outcome::NoRoom(why))),
         };
-        let allocation = allocation_result(
-            &claim,
-            &self.config.driver_name,
-            &request,
-            &choice.node,
-            &choice.gpus,
-        );
-        // Counted from now on: the next decision sees this room taken, whatever the write's progress.
-        let mut allocated = claim.clone();
-        allocated.status.get_or_insert_default().allocation = Some(allocation.clone());
-        let uid = claim.metadata.uid.clone().unwrap_or_default();
-        self.known()
-            .shares
-            .assume(&uid, allocated_shares(&allocated, &self.config.driver_name));
-        let need_mib = match need {
-            Need::Mib(mib) => mib,
-            Need::Whole(_) => 0,
-        };
-        scorer.workload.observe(&choice.demand, need_mib);
+        let classes = self.known().classes.clone();
+        let mut writes = Vec::new();
+        for ((claim, _), picks) in to_place.into_iter().zip(&placement.picks) {
+            let allocation = allocation_result(&claim, &classes, driver, &placement.node, picks);
+            // Counted from now on: the next decision sees this room taken, whatever the write's progress.
+            let mut allocated = claim.clone();
+            allocated.status.get_or_insert_default().allocation = Some(allocation.clone());
+            let uid = claim.metadata.uid.clone().unwrap_or_default();
+            self.known()
+                .shares
+                .assume(&uid, allocated_shares(&allocated, driver));
+            writes.push((claim, allocation));
+        }
+        // The learned mix counts the pod by its first pick.
+        if let Some(first) = placement.picks.iter().flatten().next() {
+            let memory = plans
+                .iter()
+                .flat_map(|p| &p.requests)
+                .flat_map(|r| &r.alternatives)
+                .find(|a| a.result_name == first.result_name)
+                .map(|a| a.need);
+            let unit = candidates
+                .iter()
+                .find(|c| c.state.name == placement.node)
+                .map_or(1, |c| c.state.unit_mib.max(1));
+            let (demand, need_mib) = match memory {
+                Some(Need::Mib(_)) => (
+                    Demand::Memory {
+                        units: first.mib.div_ceil(unit),
+                    },
+                    first.mib,
+                ),
+                _ => (
+                    Demand::Whole {
+                        count: placement.picks.iter().flatten().count() as u32,
+                    },
+                    0,
+                ),
+            };
+            if let Ok(d) = scorer.demand_of(pod, demand) {
+                scorer.workload.observe(&d, need_mib);
+            }
+        }
         Ok(Decision::Write {
-            claim: Box::new(claim),
-            allocation: Box::new(allocation),
-            node: choice.node,
+            writes,
+            node: placement.node,
         })
     }
 
-    /// Writes a decided allocation (the finalizer, then the status), then releases the pod. Every write
-    /// carries the resourceVersion read: a claim changed meanwhile is looked at again, not overwritten.
-    async fn write(
+    /// Releases `pod` to kube-scheduler unplaced, counted under `kind`.
+    async fn released(
         &self,
         client: &Client,
         pod: &Pod,
+        kind: &'static str,
+        why: String,
+    ) -> Result<Decision, kube::Error> {
+        self.release(client, pod).await?;
+        Ok(Decision::Done(Outcome::Released(kind, why)))
+    }
+
+    /// Writes one decided allocation (the finalizer, then the status). Every write carries the
+    /// resourceVersion read: a claim changed meanwhile is looked at again, not overwritten.
+    async fn write(
+        &self,
+        client: &Client,
         claim: ResourceClaim,
         allocation: AllocationResult,
     ) -> Result<Option<String>, kube::Error> {
@@ -867,6 +837,22 @@ impl Placer {
             Err(e) => return Err(e),
         };
         self.known().shares.settle(&written, &self.config.driver_name);
+        Ok(None)
+    }
+
+    /// Writes every claim of a decision, then releases the pod. A claim written before a later one
+    /// failed stays allocated: the next decision finds it so and keeps the pod on its node.
+    async fn write_all(
+        &self,
+        client: &Client,
+        pod: &Pod,
+        writes: Vec<(ResourceClaim, AllocationResult)>,
+    ) -> Result<Option<String>, kube::Error> {
+        for (claim, allocation) in writes {
+            if let Some(why) = self.write(client, claim, allocation).await? {
+                return Ok(Some(why));
+            }
+        }
         self.release(client, pod).await?;
         Ok(None)
     }
@@ -901,7 +887,7 @@ impl Placer {
     /// Gives back to kube-scheduler the claims of pods it cannot schedule where gpumem put them
     /// ([`claims_to_give_back`]): the allocation is removed (with the resourceVersion read, so a pod that
     /// reserved the claim meanwhile keeps it), and kube-scheduler allocates the claim itself.
-    async fn give_back(&self, client: &Client) {
+    async fn give_back(&self, scorer: &Scorer, client: &Client) {
         let due: Vec<(String, Arc<ResourceClaim>)> = {
             let known = self.known();
             let (driver, gate) = (&self.config.driver_name, &self.config.scheduling_gate);
@@ -934,11 +920,14 @@ impl Placer {
             }
             let claims: Api<ResourceClaim> = Api::namespaced(client.clone(), &namespace);
             match claims.replace_status(&name, &PostParams::default(), &claim).await {
-                Ok(_) => tracing::warn!(
+                Ok(_) => {
+                    scorer.metrics.dra_given_back.inc();
+                    tracing::warn!(
                     %pod, claim = %name, %node,
                     "kube-scheduler cannot schedule the pod on the node its claim was placed on (see the \
                      pod's events): the claim is given back, kube-scheduler allocates it itself"
-                ),
+                    )
+                }
                 // Changed meanwhile (reserved, deallocated, deleted): the next round reads it again.
                 Err(kube::Error::Api(s)) if s.code == 409 || s.code == 404 => {}
                 Err(e) => {
@@ -979,8 +968,13 @@ impl Placer {
             let key = pod_key(&pod);
             let started = std::time::Instant::now();
             match self.decide(scorer, client, &pod).await {
-                Ok(Decision::Done(Outcome::Released(why))) => {
-                    tracing::info!(pod = %key, "left to kube-scheduler: {why}");
+                Ok(Decision::Done(Outcome::Released(kind, why))) => {
+                    scorer
+                        .metrics
+                        .dra_released
+                        .get_or_create(&crate::scorer::metrics::KindLabel { kind })
+                        .inc();
+                    tracing::info!(pod = %key, kind, "left to kube-scheduler: {why}");
                     self.forget(&uid);
                 }
                 Ok(Decision::Done(Outcome::Waiting(why))) => self.note(&uid, &key, why, false),
@@ -993,34 +987,39 @@ impl Placer {
                     drop(known);
                     self.note(&uid, &key, why, false);
                 }
-                Ok(Decision::Write {
-                    claim,
-                    allocation,
-                    node,
-                }) => {
+                Ok(Decision::Write { writes, node }) => {
                     let Ok(permit) = Arc::clone(&self.writes).acquire_owned().await else {
                         return;
                     };
                     self.known().writing.insert(uid.clone());
                     let (me, scorer, client) = (Arc::clone(self), Arc::clone(scorer), client.clone());
                     tokio::spawn(async move {
-                        let claim_uid = claim.metadata.uid.clone().unwrap_or_default();
-                        let outcome = me.write(&client, &pod, *claim, *allocation).await;
+                        let claim_uids: Vec<String> = writes
+                            .iter()
+                            .map(|(c, _)| c.metadata.uid.clone().unwrap_or_default())
+                            .collect();
+                        let claims: Vec<String> = writes.iter().map(|(c, _)| claim_key(c)).collect();
+                        let outcome = me.write_all(&client, &pod, writes).await;
                         drop(permit);
                         me.known().writing.remove(&uid);
+                        let unassume = |me: &Placer| {
+                            let mut known = me.known();
+                            for claim_uid in &claim_uids {
+                                known.shares.unassume(claim_uid);
+                            }
+                        };
                         match outcome {
                             Ok(None) => {
-                                scorer.metrics.dra_placed.inc();
-                                scorer.observe("dra_place", started);
-                                tracing::info!(pod = %key, %node, "placed the pod's claim");
+                                scorer.placed_on_dra(started);
+                                tracing::info!(pod = %key, %node, claims = ?claims, "placed the pod's claims");
                                 me.forget(&uid);
                             }
                             Ok(Some(why)) => {
-                                me.known().shares.unassume(&claim_uid);
+                                unassume(&me);
                                 me.note(&uid, &key, why, false);
                             }
                             Err(e) => {
-                                me.known().shares.unassume(&claim_uid);
+                                unassume(&me);
                                 me.note(&uid, &key, api_failure(e), true);
                             }
                         }
@@ -1057,7 +1056,7 @@ impl Placer {
     async fn lead(self: &Arc<Self>, scorer: &Arc<Scorer>, client: &Client) {
         loop {
             self.round(scorer, client).await;
-            self.give_back(client).await;
+            self.give_back(scorer, client).await;
             tokio::select! {
                 () = self.changed.notified() => {}
                 () = tokio::time::sleep(RETRY_EVERY) => {}
@@ -1093,157 +1092,15 @@ pub async fn run(scorer: Arc<Scorer>, client: Client, config: DraPlacementConfig
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::placer::claims::fixtures::{alloc, claim, memory};
+    use crate::scorer::config::PLACEMENT_GATE;
     use crate::scorer::state::GpuSnapshot;
-    use k8s_openapi::api::resource::v1::{
-        CapacityRequirements, DeviceClaim, DeviceRequest, ExactDeviceRequest, ResourceClaimConsumerReference,
-        ResourceClaimSpec, ResourceClaimStatus,
-    };
-    use k8s_openapi::apimachinery::pkg::api::resource::Quantity as Q;
-    use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
-
-    const CLASSES: &[&str] = &["gpu.gpumem.io"];
-
-    fn classes() -> Vec<String> {
-        CLASSES.iter().map(|c| c.to_string()).collect()
-    }
-
-    fn claim(exactly: ExactDeviceRequest) -> ResourceClaim {
-        ResourceClaim {
-            metadata: ObjectMeta {
-                name: Some("c".into()),
-                namespace: Some("ns".into()),
-                uid: Some("0b7e7c34-5a0e-4d5c-9a43-6f4f4d1d2a11".into()),
-                ..Default::default()
-            },
-            spec: ResourceClaimSpec {
-                devices: Some(DeviceClaim {
-                    requests: Some(vec![DeviceRequest {
-                        name: "gpu".into(),
-                        exactly: Some(exactly),
-                        ..Default::default()
-                    }]),
-                    ..Default::default()
-                }),
-            },
-            status: None,
-        }
-    }
-
-    fn memory(q: &str) -> ExactDeviceRequest {
-        ExactDeviceRequest {
-            device_class_name: "gpu.gpumem.io".into(),
-            capacity: Some(CapacityRequirements {
-                requests: Some(BTreeMap::from([("memory".into(), Q(q.into()))])),
-            }),
-            ..Default::default()
-        }
-    }
-
-    #[test]
-    fn claims_are_read_as_memory_or_whole_gpus() {
-        let ask = |e| claim_ask(&claim(e), &classes());
-        assert_eq!(
-            ask(memory("5000Mi")),
-            ClaimAsk::Place {
-                request: "gpu".into(),
-                need: Need::Mib(5000)
-            }
-        );
-        // `5k` bytes is a fraction of a MiB: one MiB, never zero.
-        assert_eq!(
-            ask(memory("5k")),
-            ClaimAsk::Place {
-                request: "gpu".into(),
-                need: Need::Mib(1)
-            }
-        );
-        let whole = ExactDeviceRequest {
-            device_class_name: "gpu.gpumem.io".into(),
-            count: Some(2),
-            ..Default::default()
-        };
-        assert_eq!(
-            ask(whole),
-            ClaimAsk::Place {
-                request: "gpu".into(),
-                need: Need::Whole(2)
-            }
-        );
-        let other = ExactDeviceRequest {
-            device_class_name: "nic.example.com".into(),
-            ..Default::default()
-        };
-        assert_eq!(ask(other), ClaimAsk::NotOurs);
-    }
-
-    #[test]
-    fn forms_the_scorer_does_not_place_are_left_to_kube_scheduler() {
-        let unsupported =
-            |e: ExactDeviceRequest| matches!(claim_ask(&claim(e), &classes()), ClaimAsk::Unsupported(_));
-        let mut selectors = memory("1Gi");
-        selectors.selectors = Some(vec![Default::default()]);
-        assert!(unsupported(selectors));
-        let mut several = memory("1Gi");
-        several.count = Some(2);
-        assert!(unsupported(several));
-        let mut all = memory("1Gi");
-        all.allocation_mode = Some("All".into());
-        assert!(unsupported(all));
-        assert!(unsupported(memory("0")));
-        assert!(unsupported(memory("lots")));
-        let mut allocated = claim(memory("1Gi"));
-        allocated.status = Some(ResourceClaimStatus {
-            allocation: Some(AllocationResult::default()),
-            ..Default::default()
-        });
-        assert_eq!(claim_ask(&allocated, &classes()), ClaimAsk::Allocated);
-    }
-
-    #[test]
-    fn an_allocation_reads_back_as_the_shares_it_wrote() {
-        let c = claim(memory("5000Mi"));
-        let a = allocation_result(&c, "gpumem.io", "gpu", "node-1", &[(2, 5000)]);
-        let results = a
-            .devices
-            .as_ref()
-            .and_then(|d| d.results.clone())
-            .unwrap_or_default();
-        assert_eq!(results.len(), 1);
-        assert_eq!(results[0].device, "gpu-2");
-        assert_eq!(results[0].pool, "node-1");
-        assert_eq!(results[0].share_id.as_deref(), c.metadata.uid.as_deref());
-        let selector = serde_json::to_value(&a.node_selector).unwrap_or_default();
-        assert_eq!(
-            selector["nodeSelectorTerms"][0]["matchFields"][0]["values"][0],
-            "node-1"
-        );
-        let mut allocated = c.clone();
-        allocated.status = Some(ResourceClaimStatus {
-            allocation: Some(a),
-            reserved_for: Some(vec![ResourceClaimConsumerReference {
-                resource: "pods".into(),
-                name: "p".into(),
-                uid: "u".into(),
-                ..Default::default()
-            }]),
-            ..Default::default()
-        });
-        assert_eq!(
-            allocated_shares(&allocated, "gpumem.io"),
-            vec![AllocatedShare {
-                node: "node-1".into(),
-                index: 2,
-                mib: Some(5000),
-                owner: "ns/p".into()
-            }]
-        );
-        assert!(allocated_shares(&allocated, "other.driver").is_empty());
-    }
+    use k8s_openapi::api::resource::v1::{ResourceClaimConsumerReference, ResourceClaimStatus};
 
     #[test]
     fn an_older_event_does_not_undo_a_newer_allocation() {
         let mut c = claim(memory("5000Mi"));
-        let a = allocation_result(&c, "gpumem.io", "gpu", "node-1", &[(2, 5000)]);
+        let a = alloc(&c, "node-1", &[(2, 5000)]);
         let mut shares = Shares::default();
         let count = |s: &Shares| s.all().count();
         let uid = c.metadata.uid.clone().unwrap_or_default();
@@ -1329,13 +1186,7 @@ mod tests {
     fn claims_placed_where_the_pod_cannot_go_are_given_back_after_a_while() {
         let mut placed = claim(memory("5000Mi"));
         placed.status = Some(ResourceClaimStatus {
-            allocation: Some(allocation_result(
-                &placed,
-                "gpumem.io",
-                "gpu",
-                "node-1",
-                &[(2, 5000)],
-            )),
+            allocation: Some(alloc(&placed, "node-1", &[(2, 5000)])),
             ..Default::default()
         });
         assert!(placed_by_gpumem(&placed, "gpumem.io"));
@@ -1407,32 +1258,5 @@ mod tests {
             spec.node_name = Some("node-1".into());
         }
         assert!(!is_unschedulable(&bound));
-    }
-
-    #[test]
-    fn claim_names_wait_for_the_controller() {
-        let pod: Pod = serde_json::from_value(serde_json::json!({
-            "metadata": {"name": "p", "namespace": "ns"},
-            "spec": {
-                "containers": [],
-                "resourceClaims": [
-                    {"name": "gpu", "resourceClaimTemplateName": "t"},
-                    {"name": "own", "resourceClaimName": "mine"}
-                ],
-                "schedulingGates": [{"name": PLACEMENT_GATE}]
-            }
-        }))
-        .unwrap_or_default();
-        assert!(is_gated(&pod, PLACEMENT_GATE));
-        assert_eq!(claim_names(&pod), None);
-        let mut made = pod.clone();
-        made.status = serde_json::from_value(serde_json::json!({
-            "resourceClaimStatuses": [{"name": "gpu", "resourceClaimName": "p-gpu-x7k2q"}]
-        }))
-        .ok();
-        assert_eq!(
-            claim_names(&made),
-            Some(vec!["p-gpu-x7k2q".to_string(), "mine".to_string()])
-        );
     }
 }
