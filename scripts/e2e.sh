@@ -67,6 +67,10 @@ for f in gpumem libgpumem_cuda.so libgpumem_fake_nvml.so; do
   cp "$ROOT/target/debug/$f" "$BIN/$f.new" && mv -f "$BIN/$f.new" "$BIN/$f" || exit 1
 done
 
+# The kit's Debian packages (up.sh would install them too, but the probe image needs busybox-static
+# before any cluster is up: a fresh machine has none of them).
+env -u K8S_VERSION "$KIT/prepare.sh" > "$OUT/prepare.log" 2>&1 ||
+  { echo "error: preparing the Kubernetes kit failed (see $OUT/prepare.log)" >&2; exit 1; }
 # The image of the enforcement scenarios: the test program over the fake libcuda.so.1, glibc from here.
 build_probe_image || { echo "error: building the probe image failed (see $OUT/probe-image.log)" >&2; exit 1; }
 

@@ -13,6 +13,7 @@
 //! - [`liveness`]: heartbeats of long-running loops, for the agent's `/healthz`;
 //! - [`quantity`]: Kubernetes resource quantities (`5k`, `1.5Gi`, `500m`), read exactly as the API
 //!   server reads them, for the agent and the scorer;
+//! - [`requests`]: what a pod requests of its node, as kube-scheduler counts it;
 //! - [`names`]: Kubernetes object names, checked as the API server checks them;
 //! - [`tls`]: the extender's TLS (client certificates kube-scheduler presents) and `gpumem certs`.
 
@@ -29,6 +30,7 @@ pub mod node;
 pub mod placer;
 pub mod plugin;
 pub mod quantity;
+pub mod requests;
 pub mod scorer;
 pub mod sim;
 pub mod tls;

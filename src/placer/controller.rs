@@ -28,7 +28,7 @@ use super::claims::{
     AllocatedShare, Alternative, ClaimAsk, ClaimPlan, Need, allocated_shares, allocation_result, claim_ask,
     claim_key, claim_names, placed_by_gpumem,
 };
-use super::nodes::{NodeFacts, PodRules, Resources};
+use super::nodes::{NodeFacts, PodRules};
 use super::place::{self, DraNode, Ranked, Unplaced};
 use crate::lease;
 use crate::scorer::Scorer;
@@ -191,7 +191,7 @@ impl Shares {
 #[derive(Default)]
 struct Known {
     /// The driver's ResourceSlices by name: the node each is for, and its devices.
-    slices: HashMap<String, (String, Vec<Device>)>,
+    slices: HashMap<String, (String, Arc<Vec<Device>>)>,
     /// DeviceClasses by name (their selectors and configuration apply to the requests naming them).
     classes: BTreeMap<String, DeviceClass>,
     /// What kube-scheduler's node filters read of each Node.
@@ -355,7 +355,7 @@ impl Placer {
                 if s.spec.driver == self.config.driver_name
                     && let Some(node) = s.spec.node_name.clone()
                 {
-                    let devices = s.spec.devices.clone().unwrap_or_default();
+                    let devices = Arc::new(s.spec.devices.clone().unwrap_or_default());
                     known.slices.insert(name(s), (node, devices));
                 }
             }
@@ -490,12 +490,15 @@ impl Placer {
         pinned: Option<&str>,
     ) -> (Vec<DraNode>, Vec<String>) {
         let known = self.known();
-        let mut devices: BTreeMap<&str, Vec<Device>> = BTreeMap::new();
+        // Each node's devices: its slice's, shared (a node with several slices gets them joined).
+        let mut devices: BTreeMap<&str, Arc<Vec<Device>>> = BTreeMap::new();
         for (node, slice_devices) in known.slices.values() {
-            devices
-                .entry(node.as_str())
-                .or_default()
-                .extend(slice_devices.iter().cloned());
+            match devices.get_mut(node.as_str()) {
+                None => {
+                    devices.insert(node, Arc::clone(slice_devices));
+                }
+                Some(joined) => Arc::make_mut(joined).extend(slice_devices.iter().cloned()),
+            }
         }
         let mut shares: HashMap<&str, Vec<AllocatedShare>> = HashMap::new();
         for share in known.shares.all() {
@@ -510,13 +513,7 @@ impl Placer {
                 rejected.push(format!("{name}: its Node is not known yet"));
                 continue;
             };
-            let (pods, cpu_milli, memory_mib) = scorer.requested_on(name).unwrap_or_default();
-            let in_use = Resources {
-                cpu_milli,
-                memory_bytes: memory_mib.saturating_mul(1 << 20),
-                pods,
-                ..Resources::default()
-            };
+            let in_use = scorer.requested_on(name).unwrap_or_default();
             if let Err(why) = rules.admits(facts, in_use) {
                 rejected.push(format!("{name}: {why}"));
                 continue;

@@ -25,8 +25,8 @@ use crate::scorer::state::NodeSnapshot;
 pub struct DraNode {
     /// Its GPUs as the placer counts them (the agent's report, less allocations it does not show yet).
     pub state: Arc<NodeSnapshot>,
-    /// The devices of the driver's ResourceSlice on it.
-    pub devices: Vec<Device>,
+    /// The devices of the driver's ResourceSlice on it (shared with the placer's watch).
+    pub devices: Arc<Vec<Device>>,
 }
 
 /// The ranking's answer for one node: how good (0..=1) and which GPU positions.
@@ -543,7 +543,7 @@ mod tests {
             .collect();
         DraNode {
             state: Arc::new(NodeSnapshot::with_gpus(name, 1, snapshots)),
-            devices,
+            devices: Arc::new(devices),
         }
     }
 

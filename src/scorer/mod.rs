@@ -181,7 +181,12 @@ impl Scorer {
                 continue;
             };
             let need_mib = pod.memory_mib(node.unit_mib).unwrap_or(0);
-            let request = decide::request(demand, need_mib, pod.cpu_request_milli, pod.memory_request_mib);
+            let request = decide::request(
+                demand,
+                need_mib,
+                pod.requests.cpu_milli,
+                pod.requests.memory_bytes.div_ceil(1 << 20),
+            );
             self.workload.observe_request(&pod.uid, &request);
         }
         tracing::info!(
@@ -336,16 +341,11 @@ impl Scorer {
     }
 
     /// What the pods bound to `node` request, as kube-scheduler counts it (succeeded and failed pods
-    /// not counted): `(pods, CPU millicores, memory MiB)`. `None` without a pod cache.
-    pub fn requested_on(&self, node: &str) -> Option<(u64, u64, u64)> {
+    /// not counted). `None` without a pod cache.
+    pub fn requested_on(&self, node: &str) -> Option<crate::requests::Resources> {
         let pods = self.pods.as_ref()?;
         Some(pods.with_node(node, |records| {
-            records
-                .iter()
-                .filter(|r| !r.terminal)
-                .fold((0, 0, 0), |(n, cpu, memory), r| {
-                    (n + 1, cpu + r.cpu_request_milli, memory + r.memory_request_mib)
-                })
+            records.iter().filter(|r| !r.terminal).map(|r| r.requests).sum()
         }))
     }
 

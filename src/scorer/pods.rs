@@ -16,6 +16,7 @@ use kube::runtime::watcher;
 use super::cache::Synced;
 use super::state::{self, ClassRules, Demand};
 use crate::node::ASSIGNED_AT_ANNOTATION;
+use crate::requests::Resources;
 
 /// What the scorer keeps of a scheduled pod. Boxed strings and slices: 20,000 of these are held.
 #[derive(Debug, Clone, PartialEq)]
@@ -34,10 +35,9 @@ pub struct PodRecord {
     pub assigned_at: Option<Timestamp>,
     /// Its GPU request; `None`: no GPU, or a request the scorer cannot read.
     pub demand: Option<Demand>,
-    /// Its CPU (millicores) and memory (MiB) requests, as kube-scheduler sums them: for the learned
-    /// mix, and for the DRA placer's check that a node has room for one more pod.
-    pub cpu_request_milli: u64,
-    pub memory_request_mib: u64,
+    /// What it requests of its node, as kube-scheduler counts it: for the learned mix, and for the DRA
+    /// placer's check that a node has room for one more pod.
+    pub requests: Resources,
     /// Succeeded or Failed: kube-scheduler no longer counts what it requests.
     pub terminal: bool,
 }
@@ -66,7 +66,6 @@ impl PodRecord {
             online_min_priority: None,
         };
         let demand = state::pod_demand(pod, &rules).ok().flatten();
-        let (cpu, memory) = state::cpu_memory_requests(pod);
         let assigned_at = meta
             .annotations
             .as_ref()
@@ -84,8 +83,7 @@ impl PodRecord {
             preemptible: state::is_preemptible(pod),
             assigned_gpus: state::assigned_gpus(pod).into_iter().map(Into::into).collect(),
             assigned_at,
-            cpu_request_milli: cpu,
-            memory_request_mib: memory,
+            requests: Resources::requested_by(pod),
             terminal: pod
                 .status
                 .as_ref()

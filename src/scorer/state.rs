@@ -532,9 +532,9 @@ pub struct ClassRules {
     pub online_min_priority: Option<i32>,
 }
 
-/// The pod's effective `[gpu-mem units, whole GPUs, CPU millis, memory MiB]`: the larger of the sum
-/// over app containers and any init container.
-fn effective_requests(spec: &k8s_openapi::api::core::v1::PodSpec) -> Result<[u64; 4], String> {
+/// The pod's effective `[gpu-mem units, whole GPUs]`: the larger of the sum over app containers and
+/// any init container.
+fn effective_requests(spec: &k8s_openapi::api::core::v1::PodSpec) -> Result<[u64; 2], String> {
     // Extended resources: a whole count, from the limit (the request equals it when given).
     let count = |c: &k8s_openapi::api::core::v1::Container, res: &str| {
         let r = c.resources.as_ref();
@@ -549,32 +549,15 @@ fn effective_requests(spec: &k8s_openapi::api::core::v1::PodSpec) -> Result<[u64
                 .map_err(|e| format!("{res} quantity {:?} is not understood: {e}", q.0)),
         }
     };
-    // CPU and memory requests only rank nodes: one the API server would not have taken counts as 0.
-    let request = |c: &k8s_openapi::api::core::v1::Container,
-                   res: &str,
-                   value: fn(&Quantity) -> Result<u64, QuantityError>| {
-        let q = c
-            .resources
-            .as_ref()
-            .and_then(|r| r.requests.as_ref())
-            .and_then(|l| l.get(res));
-        q.and_then(|q| Quantity::parse(&q.0).and_then(|q| value(&q)).ok())
-            .unwrap_or(0)
-    };
-    let mut totals = [0u64; 4];
-    let mut init_max = [0u64; 4];
+    let mut totals = [0u64; 2];
+    let mut init_max = [0u64; 2];
     for (containers, is_init) in [
         (&spec.containers, false),
         (&spec.init_containers.clone().unwrap_or_default(), true),
     ] {
         for c in containers.iter() {
-            let v = [
-                count(c, GPU_MEM_RESOURCE)?,
-                count(c, GPU_RESOURCE)?,
-                request(c, "cpu", Quantity::millis_ceil),
-                request(c, "memory", Quantity::mib_ceil),
-            ];
-            for i in 0..4 {
+            let v = [count(c, GPU_MEM_RESOURCE)?, count(c, GPU_RESOURCE)?];
+            for i in 0..2 {
                 if is_init {
                     init_max[i] = init_max[i].max(v[i]);
                 } else {
@@ -583,15 +566,13 @@ fn effective_requests(spec: &k8s_openapi::api::core::v1::PodSpec) -> Result<[u64
             }
         }
     }
-    Ok([0, 1, 2, 3].map(|i| totals[i].max(init_max[i])))
+    Ok([0, 1].map(|i| totals[i].max(init_max[i])))
 }
 
-/// The pod's CPU (millis) and memory (MiB) requests, as kube-scheduler sums them.
+/// The pod's CPU (millis) and memory (MiB) requests, as kube-scheduler sums them ([`crate::requests`]).
 pub fn cpu_memory_requests(pod: &Pod) -> (u64, u64) {
-    pod.spec
-        .as_ref()
-        .and_then(|s| effective_requests(s).ok())
-        .map_or((0, 0), |[_, _, cpu, memory]| (cpu, memory))
+    let asked = crate::requests::Resources::asked_by(pod);
+    (asked.cpu_milli, asked.memory_bytes.div_ceil(1 << 20))
 }
 
 /// Reads the pod's GPU request. `Ok(None)`: the pod asks for no GPU.
@@ -599,7 +580,8 @@ pub fn pod_demand(pod: &Pod, rules: &ClassRules) -> Result<Option<PodDemand>, St
     let Some(spec) = pod.spec.as_ref() else {
         return Ok(None);
     };
-    let [mem_units, whole, cpu, memory] = effective_requests(spec)?;
+    let [mem_units, whole] = effective_requests(spec)?;
+    let (cpu, memory) = cpu_memory_requests(pod);
     let demand = match (mem_units, whole) {
         (0, 0) => return Ok(None),
         (m, 0) => Demand::Memory { units: m },

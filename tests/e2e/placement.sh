@@ -55,7 +55,7 @@ scenario_dra_placement() {
 
   claim_template pl-40000mi 40000Mi
   new_claim_pod pl-big pl-40000mi
-  eventually "40000Mi fits no GPU: the scorer says why" 60 scorer_said "waiting: no DRA node has room" "$NS/pl-big"
+  eventually "40000Mi fits no GPU: the scorer says why" 60 scorer_said "waiting: no node has room for all of the pod's claims" "$NS/pl-big"
   expect_eq "the pod waits gated, its claim unallocated" "SchedulingGated/" \
     "$(pod_field pl-big '.status.conditions[?(@.type=="PodScheduled")].reason')/$(claim_device pl-big)"
 

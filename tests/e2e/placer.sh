@@ -64,8 +64,6 @@ spec:
 EOF
 }
 
-ON_REAL_NODE="
-  nodeSelector: {kubernetes.io/hostname: $REAL_NODE}"
 TOLERATES_FAKE="
   tolerations: [{key: harness.local/fake-node, operator: Exists, effect: NoSchedule}]"
 
@@ -74,7 +72,7 @@ nth_claim() { pod_field "$1" ".status.resourceClaimStatuses[$2].resourceClaimNam
 # claim_field POD N JSONPATH: a field of the pod's Nth claim.
 claim_field() { kn get resourceclaim "$(nth_claim "$1" "$2")" -o "jsonpath={$3}" 2> /dev/null; }
 # results POD N FIELD: that field of every allocation result of the pod's Nth claim, sorted.
-results() { claim_field "$1" "$2" "{.status.allocation.devices.results[*].$3}" | tr ' ' '\n' | sort | tr '\n' ' ' | sed 's/ $//'; }
+results() { claim_field "$1" "$2" ".status.allocation.devices.results[*].$3" | tr ' ' '\n' | sort | tr '\n' ' ' | sed 's/ $//'; }
 # placed_by_gpumem POD N: the Nth claim is allocated and its first share is the claim's UID.
 placed_by_gpumem() {
   local uid share
@@ -86,7 +84,8 @@ all_placed_by_gpumem() {
   local pod=$1 n=$2 i
   for ((i = 0; i < n; i++)); do placed_by_gpumem "$pod" "$i" || return 1; done
 }
-one_of() { [[ " $2 " == *" $1 "* ]]; }
+# container_env POD CONTAINER VAR: VAR in that container of the pod.
+container_env() { kn exec "$1" -c "$2" -- env 2> /dev/null | sed -n "s/^$3=//p"; }
 bound_to() { [ "$(pod_node "$1")" == "$2" ]; }
 never_given_back() { ! grep "given back" "$RUN_OUT/scorer.log" | grep -qF "$NS/$1"; }
 
@@ -111,7 +110,8 @@ check_placed() {
 
 scenario_dra_placer() {
   scenario "DRA placer: selectors, constraints, several requests and claims, node rules"
-  local cpus
+  local cpus ON_REAL_NODE="
+  nodeSelector: {kubernetes.io/hostname: $REAL_NODE}"
   wait_dra_idle
   if ! fake_dra_slice | k apply -f - > "$RUN_OUT/fake-slice.log" 2>&1; then
     bad "$FAKE_DRA_NODE publishes a ResourceSlice" "$(cat "$RUN_OUT/fake-slice.log")"
@@ -176,7 +176,7 @@ scenario_dra_placer() {
   eventually "a pod of two claims runs" 30 is_running pr-duo
   check_placed pr-duo 2 "$REAL_NODE" gpu-2 gpu-3
   expect_eq "pr-duo: each container has its claim's limit" "3000/1000" \
-    "$(kn exec pr-duo -c main0 -- printenv GPUMEM_LIMIT_MIB 2> /dev/null)/$(kn exec pr-duo -c main1 -- printenv GPUMEM_LIMIT_MIB 2> /dev/null)"
+    "$(container_env pr-duo main0 GPUMEM_LIMIT_MIB)/$(container_env pr-duo main1 GPUMEM_LIMIT_MIB)"
 
   # A prioritized list: 40000Mi fits no GPU, the second choice does.
   template pr-first "      requests:
