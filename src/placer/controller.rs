@@ -20,6 +20,7 @@ use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use k8s_openapi::api::resource::v1::{AllocationResult, Device, DeviceClass, ResourceClaim, ResourceSlice};
 use kube::api::{Patch, PatchParams, PostParams};
+use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::watcher;
 use kube::{Api, Client};
 
@@ -222,6 +223,9 @@ const SELECTORS_KEPT: usize = 1024;
 /// The DRA placer: the caches it reads and the one replica's loop.
 pub struct Placer {
     config: DraPlacementConfig,
+    /// Who writes the Events on the pods (why one waits, was left to kube-scheduler, or where it was
+    /// placed: `kubectl describe pod`); `None` in tests.
+    reporter: Option<(Client, Reporter)>,
     known: Mutex<Known>,
     selectors: Mutex<HashMap<String, Arc<Selector>>>,
     changed: tokio::sync::Notify,
@@ -240,6 +244,17 @@ enum Outcome {
     NoRoom(String),
 }
 
+/// Why a pod is still gated, as its log line and Event tell it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Wait {
+    /// For a moment (its claims are being made, a write met a change): logged only.
+    Brief,
+    /// Until room is freed or a node changes: logged, and an Event on the pod.
+    NoRoom,
+    /// A request to the API server failed: logged as a warning, and a warning Event.
+    Failed,
+}
+
 /// What the placer decided for one gated pod.
 enum Decision {
     Done(Outcome),
@@ -247,6 +262,8 @@ enum Decision {
     Write {
         writes: Vec<(ResourceClaim, AllocationResult)>,
         node: String,
+        /// What each claim gets, for the pod's Event (`claim: gpu-2 5000Mi`).
+        summary: String,
     },
 }
 
@@ -273,6 +290,29 @@ fn api_failure(e: kube::Error) -> String {
     }
 }
 
+/// `claim: gpu-2 5000Mi, ...; claim2: ...` for each written claim and its picks.
+fn to_place_summary(
+    writes: &[(ResourceClaim, AllocationResult)],
+    picks: &[Vec<super::claims::Picked>],
+) -> String {
+    writes
+        .iter()
+        .zip(picks)
+        .map(|((claim, _), picks)| {
+            let gpus: Vec<String> = picks
+                .iter()
+                .map(|p| format!("{} {}Mi", crate::node::slice::device_name(p.index), p.mib))
+                .collect();
+            format!(
+                "{}: {}",
+                claim.metadata.name.as_deref().unwrap_or_default(),
+                gpus.join(", ")
+            )
+        })
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
 /// Whether a claim's search may have missed room kube-scheduler's would find: several requests,
 /// alternatives or constraints (the placer's search is greedy, kube-scheduler's backtracks).
 fn searched_greedily(plans: &[ClaimPlan]) -> bool {
@@ -285,9 +325,10 @@ fn searched_greedily(plans: &[ClaimPlan]) -> bool {
 }
 
 impl Placer {
-    pub fn new(config: DraPlacementConfig) -> Arc<Placer> {
+    pub fn new(config: DraPlacementConfig, reporter: Option<(Client, Reporter)>) -> Arc<Placer> {
         Arc::new(Placer {
             config,
+            reporter,
             known: Mutex::new(Known::default()),
             selectors: Mutex::new(HashMap::new()),
             changed: tokio::sync::Notify::new(),
@@ -775,9 +816,11 @@ impl Placer {
                 scorer.workload.observe(&d, need_mib);
             }
         }
+        let summary = to_place_summary(&writes, &placement.picks);
         Ok(Decision::Write {
             writes,
             node: placement.node,
+            summary,
         })
     }
 
@@ -972,9 +1015,10 @@ impl Placer {
                         .get_or_create(&crate::scorer::metrics::KindLabel { kind })
                         .inc();
                     tracing::info!(pod = %key, kind, "left to kube-scheduler: {why}");
+                    self.tell(&pod, EventType::Normal, "LeftToKubeScheduler", &why);
                     self.forget(&uid);
                 }
-                Ok(Decision::Done(Outcome::Waiting(why))) => self.note(&uid, &key, why, false),
+                Ok(Decision::Done(Outcome::Waiting(why))) => self.note(&pod, why, Wait::Brief),
                 Ok(Decision::Done(Outcome::NoRoom(why))) => {
                     let mut known = self.known();
                     let freed = known.room_freed;
@@ -982,9 +1026,13 @@ impl Placer {
                         .no_room
                         .insert(uid.clone(), (freed, std::time::Instant::now()));
                     drop(known);
-                    self.note(&uid, &key, why, false);
+                    self.note(&pod, why, Wait::NoRoom);
                 }
-                Ok(Decision::Write { writes, node }) => {
+                Ok(Decision::Write {
+                    writes,
+                    node,
+                    summary,
+                }) => {
                     let Ok(permit) = Arc::clone(&self.writes).acquire_owned().await else {
                         return;
                     };
@@ -1009,36 +1057,79 @@ impl Placer {
                             Ok(None) => {
                                 scorer.placed_on_dra(started);
                                 tracing::info!(pod = %key, %node, claims = ?claims, "placed the pod's claims");
+                                me.tell(
+                                    &pod,
+                                    EventType::Normal,
+                                    "GPUPlaced",
+                                    &format!("on node {node}: {summary}"),
+                                );
                                 me.forget(&uid);
                             }
                             Ok(Some(why)) => {
                                 unassume(&me);
-                                me.note(&uid, &key, why, false);
+                                me.note(&pod, why, Wait::Brief);
                             }
                             Err(e) => {
                                 unassume(&me);
-                                me.note(&uid, &key, api_failure(e), true);
+                                me.note(&pod, api_failure(e), Wait::Failed);
                             }
                         }
                         me.changed.notify_one();
                     });
                 }
-                Err(e) => self.note(&uid, &key, api_failure(e), true),
+                Err(e) => self.note(&pod, api_failure(e), Wait::Failed),
             }
         }
     }
 
-    /// Logs why `uid` waits, once per reason (the same reason again every round would flood the log).
-    fn note(&self, uid: &str, key: &str, why: String, failed: bool) {
+    /// Logs why `pod` waits, once per reason (the same reason again every round would flood the log),
+    /// and says so in an Event on it unless the wait is `Wait::Brief`.
+    fn note(&self, pod: &Pod, why: String, wait: Wait) {
+        let uid = pod.metadata.uid.clone().unwrap_or_default();
+        let key = pod_key(pod);
         let mut known = self.known();
-        if known.waiting.get(uid) != Some(&why) {
-            if failed {
-                tracing::warn!(pod = %key, "placing failed, will retry: {why}");
-            } else {
-                tracing::info!(pod = %key, "waiting: {why}");
+        if known.waiting.get(&uid) != Some(&why) {
+            match wait {
+                Wait::Failed => {
+                    tracing::warn!(pod = %key, "placing failed, will retry: {why}");
+                    self.tell(pod, EventType::Warning, "GPUPlacementFailed", &why);
+                }
+                Wait::NoRoom => {
+                    tracing::info!(pod = %key, "waiting: {why}");
+                    self.tell(pod, EventType::Normal, "WaitingForGPU", &why);
+                }
+                Wait::Brief => tracing::info!(pod = %key, "waiting: {why}"),
             }
-            known.waiting.insert(uid.to_string(), why);
+            known.waiting.insert(uid, why);
         }
+    }
+
+    /// An Event on `pod` (failures only logged): what the placer did with it, in `kubectl describe pod`.
+    fn tell(&self, pod: &Pod, type_: EventType, reason: &'static str, note: &str) {
+        let Some((client, reporter)) = self.reporter.clone() else {
+            return;
+        };
+        // A recorder of its own: kube's keeps a series per reason and pod, and would only count a
+        // second wait with a new reason under the first one's note.
+        let recorder = Recorder::new(client, reporter);
+        let mut end = note.len().min(1000);
+        while !note.is_char_boundary(end) {
+            end -= 1;
+        }
+        let event = Event {
+            type_,
+            reason: reason.into(),
+            // The Events API takes at most 1 kB of note.
+            note: Some(note[..end].to_string()),
+            action: "Place".into(),
+            secondary: None,
+        };
+        let reference = kube::Resource::object_ref(pod, &());
+        tokio::spawn(async move {
+            if let Err(e) = recorder.publish(&event, &reference).await {
+                tracing::debug!("event {reason} on pod {:?}: {e}", reference.name);
+            }
+        });
     }
 
     /// Drops a pod the placer is done with (its watch event, with the gate gone, follows).
@@ -1064,7 +1155,11 @@ impl Placer {
 
 /// Runs the placer for as long as the process runs: this replica places while it holds the Lease.
 pub async fn run(scorer: Arc<Scorer>, client: Client, config: DraPlacementConfig, identity: String) {
-    let placer = Placer::new(config.clone());
+    let reporter = Reporter {
+        controller: "gpumem-placer".into(),
+        instance: Some(identity.clone()),
+    };
+    let placer = Placer::new(config.clone(), Some((client.clone(), reporter)));
     placer.follow(&client);
     let leases: Api<Lease> = Api::namespaced(client.clone(), &config.lease_namespace);
     let election = lease::Election {

@@ -67,8 +67,8 @@ EOF
 TOLERATES_FAKE="
   tolerations: [{key: harness.local/fake-node, operator: Exists, effect: NoSchedule}]"
 
-# nth_claim POD N: the name of the pod's Nth claim (0-based).
-nth_claim() { pod_field "$1" ".status.resourceClaimStatuses[$2].resourceClaimName"; }
+# nth_claim POD N: the name of the pod's claim `cN` (the status lists them in no set order).
+nth_claim() { pod_field "$1" ".status.resourceClaimStatuses[?(@.name==\"c$2\")].resourceClaimName"; }
 # claim_field POD N JSONPATH: a field of the pod's Nth claim.
 claim_field() { kn get resourceclaim "$(nth_claim "$1" "$2")" -o "jsonpath={$3}" 2> /dev/null; }
 # results POD N FIELD: that field of every allocation result of the pod's Nth claim, sorted.
@@ -141,6 +141,8 @@ scenario_dra_placer() {
   placer_pod pr-t4 "$ON_REAL_NODE" pr-t4
   eventually "a T4 by CEL selector, with a node selector, runs" 30 is_running pr-t4
   check_placed pr-t4 1 "$REAL_NODE" gpu-2 gpu-3
+  eventually "pr-t4: an Event on the pod names the node and GPU" 30 \
+    has_event pr-t4 "GPUPlaced: on node $REAL_NODE: $(nth_claim pr-t4 0): $(results pr-t4 0 device) 3000Mi"
   check_claim_pod pr-t4 3000
 
   # Memory by CEL: the capacity as a quantity and the memoryMiB attribute. The fake node's taint keeps
@@ -207,6 +209,7 @@ scenario_dra_placer() {
     scorer_said "untolerated taint" "$NS/pr-taint"
   expect_eq "pr-taint: gated, its claim unallocated" "SchedulingGated/" \
     "$(pod_field pr-taint '.status.conditions[?(@.type=="PodScheduled")].reason')/$(results pr-taint 0 device)"
+  eventually "pr-taint: an Event on the pod says why it waits" 30 has_event pr-taint "untolerated taint"
   placer_pod pr-tolerates "
   nodeSelector: {kubernetes.io/hostname: $FAKE_DRA_NODE}$TOLERATES_FAKE" pr-1000
   eventually "with the toleration it is bound to $FAKE_DRA_NODE" 30 bound_to pr-tolerates "$FAKE_DRA_NODE"
