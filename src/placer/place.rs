@@ -285,6 +285,7 @@ pub fn place(
                     plan.key, request.name
                 ));
             }
+            let last = i + 1 == plans.len() && j + 1 == plan.requests.len();
             let mut next: Vec<Partial> = Vec::new();
             let mut index: HashMap<usize, usize> = HashMap::new();
             for (p, pick, g, raw) in done {
@@ -293,16 +294,19 @@ pub fn place(
                     next.len() - 1
                 });
                 let partial = &mut next[slot];
-                let mut state = (*partial.state).clone();
-                {
-                    let mut gpus = state.gpus_mut();
-                    if is_memory(plan, &pick.result_name) {
-                        gpus[g].allocated_mib = gpus[g].allocated_mib.saturating_add(pick.mib);
-                    } else {
-                        gpus[g].whole = true;
+                // What the pick takes, for the requests after it (the last one has none after it).
+                if !last {
+                    let mut state = (*partial.state).clone();
+                    {
+                        let mut gpus = state.gpus_mut();
+                        if is_memory(plan, &pick.result_name) {
+                            gpus[g].allocated_mib = gpus[g].allocated_mib.saturating_add(pick.mib);
+                        } else {
+                            gpus[g].whole = true;
+                        }
                     }
+                    partial.state = Arc::new(state);
                 }
-                partial.state = Arc::new(state);
                 partial.picks[i].push(pick);
                 partial.score += raw;
             }

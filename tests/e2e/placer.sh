@@ -69,15 +69,15 @@ TOLERATES_FAKE="
 
 # nth_claim POD N: the name of the pod's claim `cN` (the status lists them in no set order).
 nth_claim() { pod_field "$1" ".status.resourceClaimStatuses[?(@.name==\"c$2\")].resourceClaimName"; }
-# claim_field POD N JSONPATH: a field of the pod's Nth claim.
-claim_field() { kn get resourceclaim "$(nth_claim "$1" "$2")" -o "jsonpath={$3}" 2> /dev/null; }
+# resource_claim_field POD N JSONPATH: a field of the pod's Nth claim.
+resource_claim_field() { kn get resourceclaim "$(nth_claim "$1" "$2")" -o "jsonpath={$3}" 2> /dev/null; }
 # results POD N FIELD: that field of every allocation result of the pod's Nth claim, sorted.
-results() { claim_field "$1" "$2" ".status.allocation.devices.results[*].$3" | tr ' ' '\n' | sort | tr '\n' ' ' | sed 's/ $//'; }
+results() { resource_claim_field "$1" "$2" ".status.allocation.devices.results[*].$3" | tr ' ' '\n' | sort | tr '\n' ' ' | sed 's/ $//'; }
 # placed_by_gpumem POD N: the Nth claim is allocated and its first share is the claim's UID.
 placed_by_gpumem() {
   local uid share
-  uid=$(claim_field "$1" "$2" .metadata.uid)
-  share=$(claim_field "$1" "$2" '.status.allocation.devices.results[0].shareID')
+  uid=$(resource_claim_field "$1" "$2" .metadata.uid)
+  share=$(resource_claim_field "$1" "$2" '.status.allocation.devices.results[0].shareID')
   [ -n "$uid" ] && [ "$uid" == "$share" ]
 }
 all_placed_by_gpumem() {

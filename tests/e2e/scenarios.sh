@@ -337,7 +337,8 @@ scenario_kubelet_restart() {
   registrations=$(registrations)
   if "$KIT/restart-kubelet.sh" >> "$RUN_OUT/restart-kubelet.log" 2>&1; then ok "kubelet restarted"; else bad "kubelet restarted"; fi
   eventually "the agent registers both plugins again" 30 registered_since "$registrations"
-  eventually "allocatable nvidia.com/gpu back" 60 node_alloc_is "$REAL_NODE" nvidia.com/gpu "$gpus"
+  # The 1.34+ kubelet's lookups after a restart (kubelet_stall) hold its device manager for both resources.
+  eventually "allocatable nvidia.com/gpu back" $((60 + $(kubelet_stall))) node_alloc_is "$REAL_NODE" nvidia.com/gpu "$gpus"
   # Kubelets 1.34+ with ResourceHealthStatus (beta, on by default) look up the pod of every device
   # a restarted kubelet sees anew, building a set of each pod's device IDs per lookup: 96,256
   # devices against the 5,000 units k-a holds take the 1.36 kubelet over a minute (docs/operate.md).
