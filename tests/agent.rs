@@ -132,16 +132,21 @@ async fn whole_and_shared_exclude_each_other_both_ways() {
     let err = node.kubelet.allocate(GPU, &[uuid(0).as_str()]).await.unwrap_err();
     assert!(err.message().contains("is shared"), "{}", err.message());
 
+    // GPU 1 whole: its memory units stay Healthy and no memory list is sent (a 1.36 kubelet looks up
+    // every unit whose health changes), yet Allocate refuses them.
+    let mem_lists = node.kubelet.list_count(MEM);
     node.kubelet.allocate(GPU, &[uuid(1).as_str()]).await.unwrap();
-    let mem = node
-        .kubelet
-        .wait_devices(MEM, WAIT, |d| {
-            d.iter()
-                .any(|x| x.id.starts_with("1-") && x.health == "Unhealthy")
-        })
+    // A later change the agent sends on the whole-GPU list: by then the first was handled too.
+    node.kubelet.allocate(MEM, &refs(&units(2, 0..1))).await.unwrap();
+    node.kubelet
+        .wait_devices(GPU, WAIT, |d| ids(d, false).len() == 2)
         .await;
-    assert!(ids(&mem, false).iter().all(|id| id.starts_with("1-")));
-    assert_eq!(ids(&mem, false).len(), 15);
+    assert_eq!(
+        node.kubelet.list_count(MEM),
+        mem_lists,
+        "no memory unit changed health"
+    );
+    assert!(node.kubelet.unhealthy_ids(MEM).is_empty());
     let err = node.kubelet.allocate(MEM, &["1-0"]).await.unwrap_err();
     assert!(err.message().contains("allocated whole"), "{}", err.message());
 }
@@ -221,13 +226,10 @@ async fn a_restarted_agent_restores_allocations_from_pod_resources() {
         vec![uuid(2)],
         "GPU 2 is shared, from the first List"
     );
-    let mem = node
-        .kubelet
-        .wait_devices(MEM, WAIT, |d| d.iter().any(|x| x.health == "Unhealthy"))
-        .await;
+    let mem = node.kubelet.wait_devices(MEM, WAIT, |d| !d.is_empty()).await;
     assert!(
-        ids(&mem, false).iter().all(|id| id.starts_with("3-")),
-        "GPU 3 is held whole"
+        ids(&mem, false).is_empty(),
+        "a GPU held whole keeps its memory units Healthy"
     );
 
     let all: Vec<String> = (0..4).map(uuid).collect();
@@ -754,6 +756,56 @@ async fn a_unit_too_small_for_the_kubelet_is_reported_on_the_node() {
     let note = event["note"].as_str().unwrap();
     assert!(note.contains("--mem-unit-mib 5"), "{note}");
     api.assert_all_granted();
+}
+
+/// A 1.36 kubelet lists every unit a pod holds in its status: at 1 MiB the agent says so on its Node
+/// (a True condition and a warning naming a unit that fits); a coarse unit or an older kubelet is False.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kubelet_that_lists_every_unit_is_reported_on_the_node() {
+    for (kubelet, unit, expected, reason) in [
+        ("v1.36.2", "1", "True", "KubeletListsEveryUnit"),
+        ("v1.36.2", "64", "False", "UnitCoarseEnough"),
+        ("v1.34.0", "1", "False", "KubeletDoesNotList"),
+    ] {
+        let node = Node::new().await;
+        let api = FakeApiServer::start(node.dir.path()).await;
+        api.set_node("node-a", &[]);
+        api.set_kubelet_version("node-a", kubelet);
+        let _agent = node.agent_with_api("t4x4", &api, &["--mem-unit-mib", unit]);
+        let condition = api
+            .wait_for("the GpuMemUnitsInPodStatus condition", WAIT, |api| {
+                let node = api.node("node-a")?;
+                node["status"]["conditions"]
+                    .as_array()?
+                    .iter()
+                    .find(|c| c["type"] == "GpuMemUnitsInPodStatus")
+                    .cloned()
+            })
+            .await;
+        assert_eq!(
+            (condition["status"].as_str(), condition["reason"].as_str()),
+            (Some(expected), Some(reason))
+        );
+        // The kubelet's own conditions are left as they were.
+        assert_eq!(
+            api.node("node-a").unwrap()["status"]["nodeInfo"]["kubeletVersion"],
+            kubelet
+        );
+        let warned = api
+            .events()
+            .into_iter()
+            .find(|e| e["reason"] == "KubeletListsEveryUnit");
+        if expected == "True" {
+            let note = warned.expect("a warning event")["note"]
+                .as_str()
+                .unwrap_or_default()
+                .to_string();
+            assert!(note.contains("memUnitMiB 40 or more"), "{note}");
+        } else {
+            assert!(warned.is_none(), "{kubelet} at {unit} MiB: no warning");
+        }
+        api.assert_all_granted();
+    }
 }
 
 fn metric(text: &str, series: &str) -> Option<f64> {

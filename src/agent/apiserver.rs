@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::{Node, ObjectReference, Pod};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::api::{ListParams, Patch, PatchParams};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::{Api, Client};
@@ -63,11 +63,11 @@ impl ApiServer {
         })
     }
 
-    /// This Node's labels and annotations; None when the Node cannot be read.
-    pub async fn node_metadata(&self) -> Option<ObjectMeta> {
+    /// This Node; None when it cannot be read.
+    pub async fn node(&self) -> Option<Node> {
         let api = Api::<Node>::all(self.client.clone());
         match tokio::time::timeout(LOOKUP_TIMEOUT * 5, api.get(&self.node)).await {
-            Ok(Ok(node)) => Some(node.metadata),
+            Ok(Ok(node)) => Some(node),
             Ok(Err(err)) => {
                 tracing::warn!(error = %err, "cannot read the Node");
                 None
@@ -92,6 +92,26 @@ impl ApiServer {
             // Events about Nodes are conventionally recorded with the node name as UID.
             uid: Some(self.node.clone()),
             ..Default::default()
+        }
+    }
+
+    /// Sets one condition of the Node's status (`kubectl describe node` lists it), leaving the others:
+    /// a strategic merge on the condition's type, as node-problem-detector writes its own.
+    pub async fn set_condition(&self, type_: &str, status: bool, reason: &str, message: String) {
+        let now = Time(k8s_openapi::jiff::Timestamp::now());
+        let patch = serde_json::json!({ "status": { "conditions": [{
+            "type": type_,
+            "status": if status { "True" } else { "False" },
+            "reason": reason,
+            "message": message,
+            "lastHeartbeatTime": now,
+            "lastTransitionTime": now,
+        }]}});
+        if let Err(err) = Api::<Node>::all(self.client.clone())
+            .patch_status(&self.node, &PatchParams::default(), &Patch::Strategic(&patch))
+            .await
+        {
+            tracing::warn!(error = %err, condition = type_, "cannot set a condition on the Node");
         }
     }
 

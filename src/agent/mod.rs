@@ -134,10 +134,11 @@ async fn serve(config: AgentConfig) -> anyhow::Result<()> {
         }
     };
 
-    let meta = match &api_server {
-        Some(api_server) => api_server.node_metadata().await,
+    let node = match &api_server {
+        Some(api_server) => api_server.node().await,
         None => None,
     };
+    let meta = node.as_ref().map(|n| &n.metadata);
     let annotations = meta.as_ref().and_then(|m| m.annotations.as_ref());
     let labels = meta.as_ref().and_then(|m| m.labels.as_ref());
     let mode = match &api_server {
@@ -247,6 +248,12 @@ async fn serve(config: AgentConfig) -> anyhow::Result<()> {
         }
     }
 
+    if let Some(api_server) = &api_server {
+        let kubelet = node.as_ref().and_then(|n| n.status.as_ref()?.node_info.as_ref());
+        let kubelet = kubelet.map_or("", |info| info.kubelet_version.as_str());
+        report_listed_units(api_server, &state, mode, kubelet).await;
+    }
+
     // Published once the picture is whole: on the DRA path, after the prepared claims are back.
     if let Some(api_server) = &api_server {
         tokio::spawn(Arc::clone(api_server).publish(Arc::clone(&state), Arc::clone(&fence)));
@@ -326,6 +333,65 @@ async fn node_mode(configured: Mode, value: Option<&String>, api_server: &ApiSer
             configured
         }
     }
+}
+
+/// The Node condition that says whether the kubelet lists every memory unit in pod status.
+pub const LISTED_UNITS_CONDITION: &str = "GpuMemUnitsInPodStatus";
+
+/// Tells on the Node (a condition, and a warning event when it is True) whether this kubelet lists
+/// every `nvidia.com/gpu-mem` unit a pod holds in the pod's status (`ResourceHealthStatus`, on by
+/// default from 1.36), and what that costs at this unit: pod objects of megabytes, and a kubelet that
+/// stalls after its restart, one lookup per unit against every unit held (docs/operate.md).
+async fn report_listed_units(api_server: &ApiServer, state: &NodeState, mode: Mode, kubelet: &str) {
+    let cost = devices::listed_units_cost(&state.inventory, state.unit_mib, kubelet);
+    let (status, reason, message) = match (mode, cost) {
+        (Mode::Dra, _) => (
+            false,
+            "DraPath",
+            "the node serves DRA: no device lists".to_string(),
+        ),
+        (_, None) => (
+            false,
+            "Unknown",
+            format!("kubelet version {kubelet:?} or an empty inventory"),
+        ),
+        (_, Some(cost)) if !cost.listed => (
+            false,
+            "KubeletDoesNotList",
+            format!("kubelet {kubelet} does not list devices in pod status by default"),
+        ),
+        (_, Some(cost)) if !cost.too_costly() => (
+            false,
+            "UnitCoarseEnough",
+            format!(
+                "kubelet {kubelet} lists each unit in pod status; at memUnitMiB {} a pod holding a whole GPU \
+                 adds {} bytes",
+                state.unit_mib, cost.whole_gpu_pod_bytes
+            ),
+        ),
+        (_, Some(cost)) => (
+            true,
+            "KubeletListsEveryUnit",
+            format!(
+                "kubelet {kubelet} (ResourceHealthStatus) lists every {} unit a pod holds in its status: at \
+                 memUnitMiB {} a pod holding a whole GPU carries ~{} KiB of it, and after a kubelet restart \
+                 the node stalls for one lookup per unit against every unit held (minutes at 1 MiB). Use \
+                 memUnitMiB {} or more, the DRA path, or the kubelet's --feature-gates=ResourceHealthStatus=false \
+                 (docs/operate.md)",
+                state.mem_resource,
+                state.unit_mib,
+                cost.whole_gpu_pod_bytes / 1024,
+                cost.fitting_unit_mib
+            ),
+        ),
+    };
+    if status {
+        tracing::warn!(kubelet, unit_mib = state.unit_mib, "{message}");
+        api_server.warn(reason, message.clone()).await;
+    }
+    api_server
+        .set_condition(LISTED_UNITS_CONDITION, status, reason, message)
+        .await;
 }
 
 /// The two device plugins (`nvidia.com/gpu`, `nvidia.com/gpu-mem`), each registered with the kubelet.

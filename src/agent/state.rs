@@ -270,7 +270,9 @@ impl NodeState {
         devices::gpu_devices(&self.inventory, |a| offered[a])
     }
 
-    /// `nvidia.com/gpu-mem`: a GPU allocated whole offers no memory units.
+    /// `nvidia.com/gpu-mem`: a sick GPU's units are Unhealthy. A GPU held whole keeps its units Healthy:
+    /// flipping them costs a 1.36 kubelet one lookup per unit against every unit held (minutes at 1 MiB,
+    /// docs/operate.md), and the scorer and Allocate already refuse memory on a GPU held whole.
     pub fn mem_devices(&self) -> Vec<Device> {
         let offered = self.units_offered();
         devices::mem_devices(&self.inventory, self.unit_mib, |a| offered[a])
@@ -288,10 +290,7 @@ impl NodeState {
     /// Per GPU, whether its memory units are Healthy: all the `nvidia.com/gpu-mem` list depends on.
     pub fn units_offered(&self) -> Vec<bool> {
         let inner = self.lock();
-        let occ = Self::occupancy(&inner, self.unit_mib);
-        (0..occ.len())
-            .map(|a| inner.health[a] == Health::Healthy && !occ[a].whole)
-            .collect()
+        inner.health.iter().map(|h| *h == Health::Healthy).collect()
     }
 
     /// Per-GPU usage, as the agent publishes it.
@@ -982,9 +981,19 @@ mod tests {
         assert!(!healthy(&s.gpu_devices()).contains(&uuid(0).as_str()));
         let err = s.allocate_whole(&[uuid(0)]).unwrap_err().to_string();
         assert!(err.contains("is shared"), "{err}");
-        // GPU 1 whole: its memory units turn unhealthy, and its units are refused.
+        // GPU 1 whole: its units stay Healthy (no flip for the kubelet to look up), and are refused.
+        let mem_before = s.mem_devices();
         assert_eq!(s.allocate_whole(&[uuid(1)]).unwrap(), vec![1]);
-        assert!(healthy(&s.mem_devices()).iter().all(|id| !id.starts_with("1-")));
+        assert_eq!(
+            s.mem_devices(),
+            mem_before,
+            "taking a GPU whole changes no memory unit"
+        );
+        let err = s
+            .prefer_mem(&ids(1, 0..15), &[], 1, Some(&uuid(1)))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("no single GPU"), "{err}");
         assert!(
             s.allocate_mem(&ids(1, 0..1))
                 .unwrap_err()

@@ -121,6 +121,54 @@ pub fn smallest_fitting_unit(inventory: &GpuInventory) -> Option<u64> {
     Some(lo)
 }
 
+/// Bytes one listed device adds to a pod object on a kubelet that lists them
+/// (`status.containerStatuses[].allocatedResourcesStatus`, and its managedFields entry): 2,039,585 bytes
+/// for a pod of 12,000 units on the kit's 1.36 kubelet.
+pub const POD_BYTES_PER_LISTED_DEVICE: u64 = 170;
+/// The pod object size past which the agent warns: every watcher of pods carries it.
+pub const POD_OBJECT_BUDGET: u64 = 64 * 1024;
+
+/// What listing every memory unit in pod status costs on this node, when its kubelet does.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ListedUnitsCost {
+    /// Kubelet 1.36+: `ResourceHealthStatus` is on by default (alpha, off, in 1.31-1.35).
+    pub listed: bool,
+    /// The pod object of a pod holding the largest GPU's memory, in bytes (its listed units alone).
+    pub whole_gpu_pod_bytes: u64,
+    /// The smallest unit at which that pod stays within [`POD_OBJECT_BUDGET`].
+    pub fitting_unit_mib: u64,
+}
+
+impl ListedUnitsCost {
+    /// Whether the agent should warn: the kubelet lists units and a pod can pass the budget.
+    pub fn too_costly(&self) -> bool {
+        self.listed && self.whole_gpu_pod_bytes > POD_OBJECT_BUDGET
+    }
+}
+
+/// The cost of the kubelet `kubelet_version` (`v1.36.2`, as the Node's `nodeInfo` says) listing units
+/// of `unit_mib`; None when the inventory is empty or the version cannot be read.
+pub fn listed_units_cost(
+    inventory: &GpuInventory,
+    unit_mib: u64,
+    kubelet_version: &str,
+) -> Option<ListedUnitsCost> {
+    let largest = inventory.gpus.iter().map(|g| g.memory_mib).max()?;
+    let mut parts = kubelet_version.trim_start_matches('v').split('.');
+    let major: u64 = parts.next()?.parse().ok()?;
+    let minor: u64 = parts
+        .next()?
+        .trim_end_matches(|c: char| !c.is_ascii_digit())
+        .parse()
+        .ok()?;
+    let per_pod_units = POD_OBJECT_BUDGET / POD_BYTES_PER_LISTED_DEVICE;
+    Some(ListedUnitsCost {
+        listed: (major, minor) >= (1, 36),
+        whole_gpu_pod_bytes: units_per_gpu(largest, unit_mib) * POD_BYTES_PER_LISTED_DEVICE,
+        fitting_unit_mib: largest.div_ceil(per_pod_units).max(1),
+    })
+}
+
 /// Encoded bytes of a ListAndWatch response carrying `devices`.
 pub fn list_bytes(devices: Vec<Device>) -> usize {
     ListAndWatchResponse { devices }.encoded_len()
@@ -133,6 +181,27 @@ mod tests {
 
     fn inventory(name: &str) -> GpuInventory {
         GpuInventory::discover(&Profile::load(name).unwrap()).unwrap()
+    }
+
+    #[test]
+    fn listed_units_cost_follows_the_kubelet_version_and_the_unit() {
+        let t4 = inventory("t4x4");
+        let cost = listed_units_cost(&t4, 1, "v1.36.2").unwrap();
+        assert!(cost.listed && cost.too_costly());
+        // 15,360 units of 170 bytes: 2.6 MB for a pod holding a whole T4.
+        assert_eq!(cost.whole_gpu_pod_bytes, 15_360 * 170);
+        // 385 units fit 64 KiB: 15,360 MiB / 385 = 39.9, so 40 MiB.
+        assert_eq!(cost.fitting_unit_mib, 40);
+        let coarse = listed_units_cost(&t4, cost.fitting_unit_mib, "v1.36.2").unwrap();
+        assert!(!coarse.too_costly(), "{coarse:?}");
+        assert!(
+            !listed_units_cost(&t4, 1, "v1.35.3").unwrap().too_costly(),
+            "the gate is off by default"
+        );
+        assert!(!listed_units_cost(&t4, 1, "v1.24.1").unwrap().listed);
+        assert!(listed_units_cost(&t4, 1, "v1.40.0-rc.1+abc").unwrap().listed);
+        assert!(listed_units_cost(&t4, 1, "v2").is_none());
+        assert!(listed_units_cost(&t4, 1, "").is_none());
     }
 
     #[test]

@@ -4,7 +4,7 @@
 
 ALL_SCENARIOS="registration extender_tls canonical_quantities fragmentation whole_gpus xid multi_node agent_restart \
 kubelet_restart scorer_restart claims claims_at_minimum claims_failover enforce_paths enforce_usage enforce_neighbours \
-enforce_restarts overlays"
+enforce_restarts overlays kubelet_cost"
 
 # On 1.34 and later the node then moves to the DRA path (DRA_SCENARIOS, in tests/e2e/dra.sh).
 # scenarios_for VERSION: what runs on that Kubernetes version.
@@ -543,4 +543,50 @@ EOF
       bad "overlay $(basename "$overlay")" "$out"
     fi
   done
+}
+
+# pod_bytes POD: the pod object as every watcher of pods receives it.
+pod_bytes() { kn get pod "$1" -o json 2> /dev/null | wc -c; }
+# pod_listed_units POD: the memory units the kubelet lists in the pod's status (ResourceHealthStatus).
+pod_listed_units() {
+  pod_field "$1" '.status.containerStatuses[0].allocatedResourcesStatus[?(@.name=="nvidia.com/gpu-mem")].resources[*].resourceID' | wc -w
+}
+all_running() { local p; for p in "$@"; do is_running "$p" || return 1; done; }
+listed_units_are() { [ "$(pod_listed_units "$1")" == "$2" ]; }
+units_condition() { k get node "$REAL_NODE" -o "jsonpath={.status.conditions[?(@.type==\"GpuMemUnitsInPodStatus\")].$1}"; }
+
+scenario_kubelet_cost() {
+  scenario "the kubelet's device bookkeeping: pod object sizes, the agent's condition, a whole pair freed"
+  # 1.36's kubelet lists every unit a pod holds in its status (ResourceHealthStatus); 1.24's none.
+  local listed=yes expected="True KubeletListsEveryUnit"
+  if [ "$K8S_VERSION" == 1.24 ]; then listed=no expected="False KubeletDoesNotList"; fi
+  expect_eq "the agent's GpuMemUnitsInPodStatus condition" "$expected" "$(units_condition status) $(units_condition reason)"
+  new_pod u-pair nvidia.com/gpu 2 '{"gpumem.io/gpu-topology-policy": "nvlink"}'
+  new_pod u-big nvidia.com/gpu-mem 12000
+  new_pod u-big2 nvidia.com/gpu-mem 12000
+  new_pod u-small nvidia.com/gpu-mem 1000
+  eventually "a whole V100 pair and 25000 MiB in three pods run" 90 all_running u-pair u-big u-big2 u-small
+  if [ $listed == yes ]; then
+    eventually "the kubelet lists each of u-big's 12000 units in its status" 60 listed_units_are u-big 12000
+  else
+    expect_eq "the kubelet lists no unit in u-big's status" 0 "$(pod_listed_units u-big)"
+  fi
+  local small big
+  small=$(pod_bytes u-small)
+  big=$(pod_bytes u-big)
+  log "  (pod objects: 1000 MiB $small bytes, 12000 MiB $big bytes)"
+  if [ $listed == yes ]; then
+    # What the condition warns about: ~170 bytes a unit (docs/operate.md).
+    if [ "$big" -gt $((12000 * 100)) ]; then ok "12000 units listed: over 1.2 MB, as the condition warns"; else bad "12000 units listed: over 1.2 MB" "$big bytes"; fi
+  elif [ "$big" -lt 65536 ]; then ok "a 12000 MiB pod object stays under 64 KiB"; else bad "a 12000 MiB pod object stays under 64 KiB" "$big bytes"; fi
+  # The pair ends while 25000 units are held. Its GPUs' memory units never changed health, so the
+  # kubelet has nothing to look up: a new pod starts as fast as on an idle node (1.36 stalled 118 s
+  # when the units flipped).
+  delete_pods u-pair
+  local t0=$SECONDS
+  new_pod u-after nvidia.com/gpu-mem 20000
+  eventually "a 20000 MiB pod runs on a V100 the pair left" 60 is_running u-after
+  log "  (u-after ran $((SECONDS - t0)) s after the pair was deleted)"
+  delete_pods u-big u-big2 u-small u-after
+  wait_idle
 }

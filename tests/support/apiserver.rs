@@ -212,6 +212,13 @@ impl FakeApiServer {
         uid
     }
 
+    /// Sets the kubelet version Node `name` reports (`status.nodeInfo.kubeletVersion`).
+    pub fn set_kubelet_version(&self, name: &str, version: &str) {
+        if let Some(node) = self.lock().nodes.get_mut(name) {
+            node["status"]["nodeInfo"]["kubeletVersion"] = json!(version);
+        }
+    }
+
     /// Node `name` as stored (with what server-side apply merged into it).
     pub fn node(&self, name: &str) -> Option<Value> {
         self.lock().nodes.get(name).cloned()
@@ -533,6 +540,41 @@ async fn handle(state: Arc<Mutex<State>>, req: Request<Incoming>) -> Answer {
                     respond(StatusCode::OK, node)
                 }
             }
+        }
+        // A strategic merge of status conditions, as the real server merges them: by `type`.
+        ("", "nodes/status", "patch") => {
+            if recorded.content_type != "application/strategic-merge-patch+json" {
+                return status(
+                    StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                    "UnsupportedMediaType",
+                    &recorded.content_type,
+                );
+            }
+            let revision = state.next_revision();
+            let Some(node) = state.nodes.get_mut(&name) else {
+                return not_found(&info);
+            };
+            let patched = recorded.body["status"]["conditions"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default();
+            let conditions = &mut node["status"]["conditions"];
+            if !conditions.is_array() {
+                *conditions = json!([]);
+            }
+            let list = conditions.as_array_mut().expect("made an array above");
+            for condition in patched {
+                match list.iter_mut().find(|c| c["type"] == condition["type"]) {
+                    Some(stored) => {
+                        if let (Some(stored), Some(new)) = (stored.as_object_mut(), condition.as_object()) {
+                            stored.extend(new.clone());
+                        }
+                    }
+                    None => list.push(condition),
+                }
+            }
+            node["metadata"]["resourceVersion"] = json!(revision);
+            respond(StatusCode::OK, node.clone())
         }
         ("", "nodes", "get") => match state.nodes.get(&name) {
             Some(node) => respond(StatusCode::OK, node.clone()),
