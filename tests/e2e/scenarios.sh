@@ -17,11 +17,11 @@ T4_MIB=15360
 ALL_MIB=$((2 * V100_MIB + 2 * T4_MIB))
 
 # The node is idle again: no allocation in the usage annotation, everything allocatable.
-# Kubelets 1.34+ (ResourceHealthStatus, beta and on by default) look up the pod of every device whose
-# health a plugin changes, each lookup building a set of every pod's device IDs, while holding the
-# device manager: when a whole V100 (32768 one-MiB units) is freed while pods hold 24000 units, the
-# 1.36 kubelet stalls for about two minutes, pod deletions and PodResources included (docs/operate.md).
-# What waits on the device manager waits that much longer there.
+# Kubelets 1.36+ (ResourceHealthStatus, beta and on by default) look up the pod of every device whose
+# health a plugin changes, and of every device a restarted kubelet sees anew, each lookup building a set
+# of every pod's device IDs, while holding the device manager: a restarted 1.36 kubelet with 5,000
+# one-MiB units held stalls about a minute, pod deletions and PodResources included (docs/operate.md;
+# whole GPUs no longer change any unit's health). What waits on the device manager waits that much longer.
 kubelet_stall() { if [ "$K8S_VERSION" == 1.24 ]; then echo 0; else echo 180; fi; }
 
 wait_idle() {
@@ -339,7 +339,7 @@ scenario_kubelet_restart() {
   eventually "the agent registers both plugins again" 30 registered_since "$registrations"
   # The 1.34+ kubelet's lookups after a restart (kubelet_stall) hold its device manager for both resources.
   eventually "allocatable nvidia.com/gpu back" $((60 + $(kubelet_stall))) node_alloc_is "$REAL_NODE" nvidia.com/gpu "$gpus"
-  # Kubelets 1.34+ with ResourceHealthStatus (beta, on by default) look up the pod of every device
+  # Kubelets 1.36+ with ResourceHealthStatus (beta, on by default) look up the pod of every device
   # a restarted kubelet sees anew, building a set of each pod's device IDs per lookup: 96,256
   # devices against the 5,000 units k-a holds take the 1.36 kubelet over a minute (docs/operate.md).
   local t0=$SECONDS
