@@ -587,6 +587,36 @@ scenario_kubelet_cost() {
   new_pod u-after nvidia.com/gpu-mem 20000
   eventually "a 20000 MiB pod runs on a V100 the pair left" 60 is_running u-after
   log "  (u-after ran $((SECONDS - t0)) s after the pair was deleted)"
+  # Churn beside the 45,000 units held: a 1000 MiB pod a second, each deleted 5 s after its creation.
+  local i started=0 latencies=()
+  for i in $(seq 1 20); do
+    new_pod "u-churn-$i" nvidia.com/gpu-mem 1000
+    if [ "$i" -gt 5 ]; then
+      churn_done "u-churn-$((i - 5))"
+    fi
+    sleep 1
+  done
+  for i in $(seq 16 20); do churn_done "u-churn-$i"; done
+  log "  (churn: start latencies $(printf '%s\n' "${latencies[@]}" | sort -n | paste -sd ' ') s)"
+  expect_eq "churn: every pod ran" 20 "$started"
+  kn delete pod $(seq -f 'u-churn-%g' 1 20) --grace-period=1 --wait=true --timeout=240s > /dev/null 2>&1 || true
   delete_pods u-big u-big2 u-small u-after
   wait_idle
+}
+
+# churn_done POD (in scenario_kubelet_cost): waits for it to run, records its start latency (creation to
+# the container's start, whole seconds), deletes it without waiting.
+churn_done() {
+  local deadline=$((SECONDS + 60))
+  while ! is_running "$1" && [ $SECONDS -lt $deadline ]; do sleep 0.5; done
+  if is_running "$1"; then
+    started=$((started + 1))
+    latencies+=("$(kn get pod "$1" -o json | python3 -c 'import json, sys
+from datetime import datetime
+pod = json.load(sys.stdin)
+at = lambda s: datetime.strptime(s, "%Y-%m-%dT%H:%M:%SZ")
+running = pod["status"]["containerStatuses"][0]["state"]["running"]["startedAt"]
+print(int((at(running) - at(pod["metadata"]["creationTimestamp"])).total_seconds()))')")
+  fi
+  kn delete pod "$1" --grace-period=1 --wait=false > /dev/null 2>&1 || true
 }
