@@ -18,7 +18,9 @@ use std::time::Duration;
 
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Node, Pod};
-use k8s_openapi::api::resource::v1::{AllocationResult, Device, DeviceClass, ResourceClaim, ResourceSlice};
+use k8s_openapi::api::resource::v1::{
+    AllocationResult, Device, DeviceClass, ResourceClaim, ResourceClaimConsumerReference, ResourceSlice,
+};
 use kube::api::{Patch, PatchParams, PostParams};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::watcher;
@@ -91,8 +93,21 @@ pub fn is_unschedulable(pod: &Pod) -> bool {
     unbound && condition.is_some_and(|c| c.status == "False" && c.reason.as_deref() == Some("Unschedulable"))
 }
 
+/// The placer's writes name it (`kubectl get resourceclaim --show-managed-fields`).
+fn writer() -> PostParams {
+    PostParams {
+        field_manager: Some("gpumem-placer".into()),
+        ..Default::default()
+    }
+}
+
+/// Whether a claim's consumer is `pod` (by UID: a pod of the same name made later is another).
+fn consumer_is(consumer: &ResourceClaimConsumerReference, pod: &Pod) -> bool {
+    consumer.resource == "pods" && pod.metadata.uid.as_deref() == Some(consumer.uid.as_str())
+}
+
 /// The claims of `pod` (by `namespace/name`) to give back to kube-scheduler, the pod having been seen
-/// unschedulable for `waited`: those gpumem placed and no pod has reserved yet, once `waited` reaches
+/// unschedulable for `waited`: those gpumem placed and no other pod has reserved, once `waited` reaches
 /// [`GIVE_BACK_AFTER`]. Deallocated, they are allocated by kube-scheduler's own allocator, on a node the
 /// pod can go to.
 pub fn claims_to_give_back(
@@ -112,12 +127,13 @@ pub fn claims_to_give_back(
         .map(|name| format!("{namespace}/{name}"))
         .filter(|key| {
             claims.get(key).is_some_and(|c| {
-                let reserved = c
+                // The placer reserves the claim for the pod it places; anyone else's holds it.
+                let held_by_another = c
                     .status
                     .as_ref()
                     .and_then(|s| s.reserved_for.as_ref())
-                    .is_some_and(|r| !r.is_empty());
-                !reserved && placed_by_gpumem(c, driver)
+                    .is_some_and(|r| r.iter().any(|c| !consumer_is(c, pod)));
+                !held_by_another && placed_by_gpumem(c, driver)
             })
         })
         .collect()
@@ -836,11 +852,14 @@ impl Placer {
         Ok(Decision::Done(Outcome::Released(kind, why)))
     }
 
-    /// Writes one decided allocation (the finalizer, then the status). Every write carries the
-    /// resourceVersion read: a claim changed meanwhile is looked at again, not overwritten.
+    /// Writes one decided allocation (the finalizer, then the status, reserved for `pod` as
+    /// kube-scheduler's PreBind would: it then finds the claim reserved and makes no write of its own).
+    /// Every write carries the resourceVersion read: a claim changed meanwhile is looked at again, not
+    /// overwritten.
     async fn write(
         &self,
         client: &Client,
+        pod: &Pod,
         claim: ResourceClaim,
         allocation: AllocationResult,
     ) -> Result<Option<String>, kube::Error> {
@@ -860,7 +879,7 @@ impl Placer {
                 .finalizers
                 .get_or_insert_default()
                 .push(CLAIM_FINALIZER.to_string());
-            claim = match claims.replace(&name, &PostParams::default(), &claim).await {
+            claim = match claims.replace(&name, &writer(), &claim).await {
                 Ok(c) => c,
                 Err(kube::Error::Api(s)) if changed(&s) => {
                     return Ok(Some(format!("claim {name} changed meanwhile")));
@@ -868,8 +887,18 @@ impl Placer {
                 Err(e) => return Err(e),
             };
         }
-        claim.status.get_or_insert_default().allocation = Some(allocation);
-        let written = match claims.replace_status(&name, &PostParams::default(), &claim).await {
+        let status = claim.status.get_or_insert_default();
+        status.allocation = Some(allocation);
+        let reserved = status.reserved_for.get_or_insert_default();
+        if !reserved.iter().any(|c| consumer_is(c, pod)) {
+            reserved.push(ResourceClaimConsumerReference {
+                api_group: None,
+                resource: "pods".into(),
+                name: pod.metadata.name.clone().unwrap_or_default(),
+                uid: pod.metadata.uid.clone().unwrap_or_default(),
+            });
+        }
+        let written = match claims.replace_status(&name, &writer(), &claim).await {
             Ok(c) => c,
             Err(kube::Error::Api(s)) if changed(&s) => {
                 return Ok(Some(format!("claim {name} changed meanwhile")));
@@ -889,7 +918,7 @@ impl Placer {
         writes: Vec<(ResourceClaim, AllocationResult)>,
     ) -> Result<Option<String>, kube::Error> {
         for (claim, allocation) in writes {
-            if let Some(why) = self.write(client, claim, allocation).await? {
+            if let Some(why) = self.write(client, pod, claim, allocation).await? {
                 return Ok(Some(why));
             }
         }
@@ -928,7 +957,7 @@ impl Placer {
     /// ([`claims_to_give_back`]): the allocation is removed (with the resourceVersion read, so a pod that
     /// reserved the claim meanwhile keeps it), and kube-scheduler allocates the claim itself.
     async fn give_back(&self, scorer: &Scorer, client: &Client) {
-        let due: Vec<(String, Arc<ResourceClaim>)> = {
+        let due: Vec<(String, String, Arc<ResourceClaim>)> = {
             let known = self.known();
             let (driver, gate) = (&self.config.driver_name, &self.config.scheduling_gate);
             known
@@ -937,12 +966,12 @@ impl Placer {
                 .flat_map(|(pod, seen)| {
                     claims_to_give_back(pod, &known.claims, driver, gate, seen.elapsed())
                         .into_iter()
-                        .map(move |key| (pod_key(pod), key))
+                        .map(move |key| (pod_key(pod), pod.metadata.uid.clone().unwrap_or_default(), key))
                 })
-                .filter_map(|(pod, key)| Some((pod, Arc::clone(known.claims.get(&key)?))))
+                .filter_map(|(pod, uid, key)| Some((pod, uid, Arc::clone(known.claims.get(&key)?))))
                 .collect()
         };
-        for (pod, claim) in due {
+        for (pod, pod_uid, claim) in due {
             let mut claim = (*claim).clone();
             let namespace = claim.metadata.namespace.clone().unwrap_or_default();
             let name = claim.metadata.name.clone().unwrap_or_default();
@@ -957,9 +986,17 @@ impl Placer {
                 .unwrap_or_default();
             if let Some(status) = claim.status.as_mut() {
                 status.allocation = None;
+                // The placer's reservation for the pod goes with it (a claim is reserved only while
+                // allocated).
+                if let Some(reserved) = status.reserved_for.as_mut() {
+                    reserved.retain(|c| c.resource != "pods" || c.uid != pod_uid);
+                }
+                if status.reserved_for.as_ref().is_some_and(Vec::is_empty) {
+                    status.reserved_for = None;
+                }
             }
             let claims: Api<ResourceClaim> = Api::namespaced(client.clone(), &namespace);
-            match claims.replace_status(&name, &PostParams::default(), &claim).await {
+            match claims.replace_status(&name, &writer(), &claim).await {
                 Ok(_) => {
                     scorer.metrics.dra_given_back.inc();
                     tracing::warn!(
@@ -1329,8 +1366,25 @@ mod tests {
                 ..Default::default()
             }]);
         }
+        let reserved_for_it = HashMap::from([("ns/c".to_string(), Arc::new(reserved.clone()))]);
+        assert_eq!(
+            give_back(&stuck, &reserved_for_it, 30),
+            vec!["ns/c".to_string()],
+            "the placer's own reservation for the stuck pod"
+        );
+        if let Some(r) = reserved.status.as_mut().and_then(|s| s.reserved_for.as_mut()) {
+            r.push(ResourceClaimConsumerReference {
+                resource: "pods".into(),
+                name: "other".into(),
+                uid: "other-uid".into(),
+                ..Default::default()
+            });
+        }
         let reserved = HashMap::from([("ns/c".to_string(), Arc::new(reserved))]);
-        assert!(give_back(&stuck, &reserved, 3600).is_empty(), "a pod holds it");
+        assert!(
+            give_back(&stuck, &reserved, 3600).is_empty(),
+            "another pod holds it"
+        );
         let mut gated = stuck.clone();
         if let Some(spec) = gated.spec.as_mut() {
             spec.scheduling_gates = Some(vec![k8s_openapi::api::core::v1::PodSchedulingGate {

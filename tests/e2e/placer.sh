@@ -80,6 +80,10 @@ placed_by_gpumem() {
   share=$(resource_claim_field "$1" "$2" '.status.allocation.devices.results[0].shareID')
   [ -n "$uid" ] && [ "$uid" == "$share" ]
 }
+# claim_managers POD N: who wrote the pod's Nth claim (its managedFields' managers).
+claim_managers() {
+  kn get resourceclaim "$(nth_claim "$1" "$2")" --show-managed-fields -o 'jsonpath={.metadata.managedFields[*].manager}' 2> /dev/null
+}
 all_placed_by_gpumem() {
   local pod=$1 n=$2 i
   for ((i = 0; i < n; i++)); do placed_by_gpumem "$pod" "$i" || return 1; done
@@ -97,6 +101,14 @@ check_placed() {
   expect_eq "$pod: every claim placed by gpumem (shares are the claims' UIDs)" yes \
     "$(all_placed_by_gpumem "$pod" "$claims" && echo yes || echo no)"
   expect_eq "$pod: bound to $node" "$node" "$(pod_node "$pod")"
+  # The placer reserves the claim for the pod, so kube-scheduler's PreBind has nothing to write.
+  local managers
+  managers=$(claim_managers "$pod" 0)
+  if [ -n "$managers" ] && [[ " $managers " != *" kube-scheduler "* ]]; then
+    ok "$pod: kube-scheduler made no write to its claim (written by: $managers)"
+  else
+    bad "$pod: kube-scheduler made no write to its claim" "written by: $managers"
+  fi
   got=$(results "$pod" 0 device)
   local want
   for want in "$@"; do
