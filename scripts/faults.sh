@@ -252,10 +252,13 @@ fi
 
 log "cluster ready in $((SECONDS - started)) s; gpumem-scale runs ($NODES API-only nodes + $REAL_NODE)"
 # In a session of its own: the cleanup stops it with the fault commands it started.
+# A restarted kubelet has no device plugin registered until the agent's registration reaches it, as
+# after an agent SIGKILL: a pod it admits in that window fails as with any device plugin (counted apart).
 KUBECONFIG=$ADMIN_KUBECONFIG setsid "$BIN/gpumem-scale" run --mode extender --nodes "$NODES" \
   --rate 1 --duration 0 --burst 0 --fill 0 --saturate 0 --trace "$TRACE" --out "$RUN_OUT" \
   --k8s-state "$K8S_STATE" --real-node "$REAL_NODE" "${shape[@]}" "${fault_args[@]}" \
   --fault-scheduler default-scheduler --fault-scheduler gpumem-scheduler --fault-plugin-crash agent-kill \
+  --fault-plugin-crash kubelet-restart \
   > "$RUN_OUT/stdout.txt" 2> >(tee "$RUN_OUT/progress.log" >&2) &
 SCALE_PID=$!
 wait $SCALE_PID
