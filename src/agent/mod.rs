@@ -252,10 +252,7 @@ async fn serve(config: AgentConfig) -> anyhow::Result<()> {
         let kubelet = node.as_ref().and_then(|n| n.status.as_ref()?.node_info.as_ref());
         let kubelet = kubelet.map_or("", |info| info.kubelet_version.as_str());
         report_listed_units(api_server, &state, mode, kubelet).await;
-    }
-
-    // Published once the picture is whole: on the DRA path, after the prepared claims are back.
-    if let Some(api_server) = &api_server {
+        // Published once the picture is whole: on the DRA path, after the prepared claims are back.
         tokio::spawn(Arc::clone(api_server).publish(Arc::clone(&state), Arc::clone(&fence)));
         if let Some(enforcement) = &enforcement
             && !config.used_report_interval.is_zero()

@@ -101,9 +101,9 @@ fn writer() -> PostParams {
     }
 }
 
-/// Whether a claim's consumer is `pod` (by UID: a pod of the same name made later is another).
-fn consumer_is(consumer: &ResourceClaimConsumerReference, pod: &Pod) -> bool {
-    consumer.resource == "pods" && pod.metadata.uid.as_deref() == Some(consumer.uid.as_str())
+/// Whether a claim's consumer is the pod of UID `pod_uid` (a pod of the same name made later is another).
+fn consumer_is(consumer: &ResourceClaimConsumerReference, pod_uid: &str) -> bool {
+    consumer.resource == "pods" && consumer.uid == pod_uid
 }
 
 /// The claims of `pod` (by `namespace/name`) to give back to kube-scheduler, the pod having been seen
@@ -121,6 +121,7 @@ pub fn claims_to_give_back(
         return Vec::new();
     }
     let namespace = pod.metadata.namespace.as_deref().unwrap_or("default");
+    let pod_uid = pod.metadata.uid.as_deref().unwrap_or_default();
     claim_names(pod)
         .into_iter()
         .flatten()
@@ -132,7 +133,7 @@ pub fn claims_to_give_back(
                     .status
                     .as_ref()
                     .and_then(|s| s.reserved_for.as_ref())
-                    .is_some_and(|r| r.iter().any(|c| !consumer_is(c, pod)));
+                    .is_some_and(|r| r.iter().any(|c| !consumer_is(c, pod_uid)));
                 !held_by_another && placed_by_gpumem(c, driver)
             })
         })
@@ -890,7 +891,10 @@ impl Placer {
         let status = claim.status.get_or_insert_default();
         status.allocation = Some(allocation);
         let reserved = status.reserved_for.get_or_insert_default();
-        if !reserved.iter().any(|c| consumer_is(c, pod)) {
+        if !reserved
+            .iter()
+            .any(|c| consumer_is(c, pod.metadata.uid.as_deref().unwrap_or_default()))
+        {
             reserved.push(ResourceClaimConsumerReference {
                 api_group: None,
                 resource: "pods".into(),
@@ -989,7 +993,7 @@ impl Placer {
                 // The placer's reservation for the pod goes with it (a claim is reserved only while
                 // allocated).
                 if let Some(reserved) = status.reserved_for.as_mut() {
-                    reserved.retain(|c| c.resource != "pods" || c.uid != pod_uid);
+                    reserved.retain(|c| !consumer_is(c, &pod_uid));
                 }
                 if status.reserved_for.as_ref().is_some_and(Vec::is_empty) {
                     status.reserved_for = None;
