@@ -17,6 +17,17 @@ spec:
   containers: [{name: main, image: localhost/busybox:harness, resources: {claims: [{name: gpu}]}}]
 EOF
 }
+# claim_finalizers CLASS: the finalizers a new claim of CLASS is made with (a server-side dry run).
+claim_finalizers() {
+  kn create --dry-run=server -o 'jsonpath={.metadata.finalizers}' -f - 2> /dev/null <<EOF
+apiVersion: resource.k8s.io/v1
+kind: ResourceClaim
+metadata: {name: finalizer-probe}
+spec: {devices: {requests: [{name: gpu, exactly: {deviceClassName: $1}}]}}
+EOF
+}
+claim_protected() { [ "$(claim_finalizers "gpu.$DRIVER")" == '["resource.kubernetes.io/delete-protection"]' ]; }
+claim_gone() { ! kn get resourceclaim "$1" > /dev/null 2>&1; }
 placement_leading() { curl -s "http://$SCORER_ADDR/metrics" | grep -q '^gpumem_scorer_dra_leading 1$'; }
 claim_share_id() { claim_result "$1" shareID; }
 claim_uid() { kn get resourceclaim "$(claim_name "$1")" -o 'jsonpath={.metadata.uid}' 2> /dev/null; }
@@ -40,6 +51,18 @@ scenario_dra_placement() {
   eventually "one scorer replica leads the DRA placement" 60 placement_leading
   claim_template pl-5000mi 5000Mi
   eventually "a new pod with a claim gets the gate gpumem.io/placement" 60 gate_added
+  # The claims' policy: kube-scheduler's finalizer at creation, so the placer allocates in one write.
+  eventually "a new claim of gpu.$DRIVER is made with the delete-protection finalizer" 60 claim_protected
+  expect_eq "a claim of another class is made without it" "" "$(claim_finalizers other.example.com)"
+  kn apply -f - > /dev/null <<EOF
+apiVersion: resource.k8s.io/v1
+kind: ResourceClaim
+metadata: {name: pl-unused}
+spec: {devices: {requests: [{name: gpu, exactly: {deviceClassName: gpu.$DRIVER}}]}}
+EOF
+  kn delete resourceclaim pl-unused --wait=false > /dev/null 2>&1
+  eventually "a claim no pod used is deleted all the same (the claim controller removes the finalizer)" 60 \
+    claim_gone pl-unused
 
   new_claim_pod pl-a pl-5000mi
   eventually "a 5000Mi claim, placed by gpumem, runs" 60 is_running pl-a

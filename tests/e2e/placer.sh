@@ -84,6 +84,11 @@ placed_by_gpumem() {
 claim_managers() {
   kn get resourceclaim "$(nth_claim "$1" "$2")" --show-managed-fields -o 'jsonpath={.metadata.managedFields[*].manager}' 2> /dev/null
 }
+# placer_writes POD N: the subresource of each of the placer's entries in the Nth claim's managedFields.
+placer_writes() {
+  kn get resourceclaim "$(nth_claim "$1" "$2")" --show-managed-fields \
+    -o 'jsonpath={range .metadata.managedFields[?(@.manager=="gpumem-placer")]}{.subresource}{";"}{end}' 2> /dev/null
+}
 all_placed_by_gpumem() {
   local pod=$1 n=$2 i
   for ((i = 0; i < n; i++)); do placed_by_gpumem "$pod" "$i" || return 1; done
@@ -109,6 +114,8 @@ check_placed() {
   else
     bad "$pod: kube-scheduler made no write to its claim" "written by: $managers"
   fi
+  # The claim was made with its finalizer (the claims' admission policy): one write of the placer's.
+  expect_eq "$pod: the placer wrote its claim once, the status" "status;" "$(placer_writes "$pod" 0)"
   got=$(results "$pod" 0 device)
   local want
   for want in "$@"; do
