@@ -1,22 +1,23 @@
 //! One decision of the DRA placer (`placer::place` with the extender's ranking) over 1000 DRA nodes,
 //! half 8 x A100-80GB, half 4 x T4, each as its agent would publish it (annotations and ResourceSlice):
 //! a 5000Mi claim, with no selector, with a CEL selector on the model, and a pair of whole GPUs on one
-//! NVLink island (`matchAttribute`). What the placer's share of a pod's time to bind is.
+//! NVLink island (`matchAttribute`); each with every device's selectors evaluated, and with the
+//! answers kept between decisions (`SelectionMemo`, as the placer keeps them). What the placer's share
+//! of a pod's time to bind is.
 //!
 //! `cargo bench --bench placer`
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use criterion::{Criterion, criterion_group, criterion_main};
 use k8s_openapi::api::core::v1::Pod;
-use k8s_openapi::api::resource::v1::Device;
 
 use gpumem::gpu::GpuInventory;
 use gpumem::inspect::Report;
 use gpumem::placer::cel::Selector;
 use gpumem::placer::claims::{Alternative, ClaimPlan, Constraint, Need, RequestAsk};
-use gpumem::placer::place::{DraNode, Ranked, place};
+use gpumem::placer::place::{DraNode, Ranked, SelectionMemo, place, select_each};
 use gpumem::scorer::Scorer;
 use gpumem::scorer::config::ScorerConfig;
 use gpumem::scorer::state::{Demand, NodeSnapshot};
@@ -86,17 +87,32 @@ fn bench(c: &mut Criterion) {
             })
             .collect()
     };
+    // Every request is also checked against its DeviceClass's selector (the shipped class's).
+    const CLASS: &str = r#"device.driver == "gpumem.io""#;
     const T4: &str = r#"device.attributes["gpumem.io"].productName == "Tesla T4""#;
-    let compiled: BTreeMap<String, Selector> =
-        BTreeMap::from([(T4.to_string(), Selector::compile(T4).expect("compiles"))]);
-    let selects = |alt: &Alternative, device: &Device| -> Result<bool, String> {
-        for e in &alt.selectors {
-            let selector = compiled.get(e).ok_or("not compiled")?;
-            if !selector.matches("gpumem.io", device).map_err(|e| e.to_string())? {
-                return Ok(false);
+    let compiled: BTreeMap<String, Selector> = [CLASS, T4]
+        .into_iter()
+        .map(|e| (e.to_string(), Selector::compile(e).expect("compiles")))
+        .collect();
+    let evaluate = |node: &DraNode, alt: &Alternative| -> Result<Vec<usize>, String> {
+        select_each(node, |device| {
+            for e in std::iter::once(CLASS).chain(alt.selectors.iter().map(String::as_str)) {
+                let selector = compiled.get(e).ok_or("not compiled")?;
+                if !selector.matches("gpumem.io", device).map_err(|e| e.to_string())? {
+                    return Ok(false);
+                }
             }
-        }
-        Ok(true)
+            Ok(true)
+        })
+    };
+    // As the placer does: each node's answers kept until its devices change.
+    let memo = Mutex::new(SelectionMemo::default());
+    let remembered = |node: &DraNode, alt: &Alternative| -> Result<Vec<usize>, String> {
+        let list = std::iter::once(CLASS.to_string())
+            .chain(alt.selectors.iter().cloned())
+            .collect();
+        let mut memo = memo.lock().unwrap_or_else(|e| e.into_inner());
+        memo.select(node, list, || evaluate(node, alt))
     };
     let cases = [
         ("5000Mi", plan(Need::Mib(5000), &[], Vec::new())),
@@ -122,14 +138,20 @@ fn bench(c: &mut Criterion) {
         ),
     ];
     for (name, plans) in &cases {
-        let placed = place(plans, &nodes, "gpumem.io", &selects, &rank).expect("placed");
+        let placed = place(plans, &nodes, "gpumem.io", &evaluate, &rank).expect("placed");
         eprintln!(
             "{name}: {} {:?}",
             placed.node,
             placed.picks[0].iter().map(|p| p.index).collect::<Vec<_>>()
         );
-        c.bench_function(&format!("placer: {name}, {NODES} nodes"), |b| {
-            b.iter(|| place(plans, &nodes, "gpumem.io", &selects, &rank))
+        let again = place(plans, &nodes, "gpumem.io", &remembered, &rank).expect("placed");
+        assert_eq!(again, placed, "the memo answers as the selectors do");
+        c.bench_function(
+            &format!("placer: {name}, {NODES} nodes, every device evaluated"),
+            |b| b.iter(|| place(plans, &nodes, "gpumem.io", &evaluate, &rank)),
+        );
+        c.bench_function(&format!("placer: {name}, {NODES} nodes, answers kept"), |b| {
+            b.iter(|| place(plans, &nodes, "gpumem.io", &remembered, &rank))
         });
     }
 }

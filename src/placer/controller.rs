@@ -12,7 +12,7 @@
 //! agents report. A pod the placer cannot read (a claim form it does not place, inter-pod affinity)
 //! is released at once: kube-scheduler allocates it as usual.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -32,7 +32,7 @@ use super::claims::{
     claim_key, claim_names, placed_by_gpumem,
 };
 use super::nodes::{NodeFacts, PodRules};
-use super::place::{self, DraNode, Ranked, Unplaced};
+use super::place::{self, DraNode, Ranked, SelectionMemo, Unplaced};
 use crate::lease;
 use crate::scorer::Scorer;
 use crate::scorer::config::DraPlacementConfig;
@@ -148,6 +148,10 @@ pub fn claims_to_give_back(
 #[derive(Debug, Default)]
 pub struct Shares {
     by_claim: HashMap<String, (u64, Vec<AllocatedShare>)>,
+    /// The claims with shares on each node, and the count of changes when that node's last changed:
+    /// what was worked out from a node's shares stays good while its count does.
+    by_node: HashMap<String, (u64, BTreeSet<String>)>,
+    changes: u64,
 }
 
 fn version_of(claim: &ResourceClaim) -> u64 {
@@ -168,8 +172,7 @@ impl Shares {
             return;
         }
         // Kept even when empty: the version seen holds off an older copy arriving later.
-        self.by_claim
-            .insert(uid, (version, allocated_shares(claim, driver)));
+        self.put(uid, version, allocated_shares(claim, driver));
     }
 
     /// The write of a claim's allocation answered with `written`: it replaces what was assumed.
@@ -180,28 +183,74 @@ impl Shares {
 
     /// The claim is gone.
     pub fn forget(&mut self, uid: &str) {
-        self.by_claim.remove(uid);
+        self.take(uid);
     }
 
     /// Counts `shares` for claim `uid` while its allocation is being written.
     pub fn assume(&mut self, uid: &str, shares: Vec<AllocatedShare>) {
-        self.by_claim.insert(uid.to_string(), (u64::MAX, shares));
+        self.put(uid.to_string(), u64::MAX, shares);
     }
 
     /// The write of `uid`'s allocation failed: what the watch says next is the truth.
     pub fn unassume(&mut self, uid: &str) {
         if self.by_claim.get(uid).is_some_and(|(v, _)| *v == u64::MAX) {
-            self.by_claim.remove(uid);
+            self.take(uid);
         }
     }
 
     /// A relist begins: forget what it will tell again, keep the writes in flight.
     pub fn relist(&mut self) {
-        self.by_claim.retain(|_, (v, _)| *v == u64::MAX);
+        let told_again: Vec<String> = self
+            .by_claim
+            .iter()
+            .filter(|(_, (v, _))| *v != u64::MAX)
+            .map(|(uid, _)| uid.clone())
+            .collect();
+        for uid in told_again {
+            self.take(&uid);
+        }
     }
 
     pub fn all(&self) -> impl Iterator<Item = &AllocatedShare> {
         self.by_claim.values().flat_map(|(_, s)| s)
+    }
+
+    /// The shares on `node`, and the count of changes when they last changed (0: never any).
+    pub fn on_node(&self, node: &str) -> (u64, Vec<&AllocatedShare>) {
+        let Some((changed, claims)) = self.by_node.get(node) else {
+            return (0, Vec::new());
+        };
+        let shares = claims
+            .iter()
+            .filter_map(|uid| self.by_claim.get(uid))
+            .flat_map(|(_, s)| s)
+            .filter(|s| s.node == node)
+            .collect();
+        (*changed, shares)
+    }
+
+    fn put(&mut self, uid: String, version: u64, shares: Vec<AllocatedShare>) {
+        self.take(&uid);
+        self.changes += 1;
+        for share in &shares {
+            let (changed, claims) = self.by_node.entry(share.node.clone()).or_default();
+            *changed = self.changes;
+            claims.insert(uid.clone());
+        }
+        self.by_claim.insert(uid, (version, shares));
+    }
+
+    fn take(&mut self, uid: &str) {
+        let Some((_, shares)) = self.by_claim.remove(uid) else {
+            return;
+        };
+        self.changes += 1;
+        for share in &shares {
+            if let Some((changed, claims)) = self.by_node.get_mut(&share.node) {
+                *changed = self.changes;
+                claims.remove(uid);
+            }
+        }
     }
 }
 
@@ -210,6 +259,12 @@ impl Shares {
 struct Known {
     /// The driver's ResourceSlices by name: the node each is for, and its devices.
     slices: HashMap<String, (String, Arc<Vec<Device>>)>,
+    /// Each node's devices: its slices', joined (in the slices' name order), the same `Arc` until one
+    /// of them changes.
+    node_devices: BTreeMap<String, Arc<Vec<Device>>>,
+    /// Each node's GPUs as the placer counts them ([`subtract_unshown`]), worked out from the agent's
+    /// report and the node's shares at their change count: reused while neither changes.
+    counted: HashMap<String, Counted>,
     /// DeviceClasses by name (their selectors and configuration apply to the requests naming them).
     classes: BTreeMap<String, DeviceClass>,
     /// What kube-scheduler's node filters read of each Node.
@@ -234,6 +289,61 @@ struct Known {
     waiting: HashMap<String, String>,
 }
 
+/// A node's GPUs as the placer counts them, and what they were worked out from.
+struct Counted {
+    report: Arc<NodeSnapshot>,
+    shares_changed: u64,
+    state: Arc<NodeSnapshot>,
+}
+
+impl Known {
+    /// `node`'s GPUs as the placer counts them: its agent's `report`, less the shares allocated there
+    /// that the report does not show yet.
+    fn counted(&mut self, node: &str, report: Arc<NodeSnapshot>) -> Arc<NodeSnapshot> {
+        let (shares_changed, shares) = self.shares.on_node(node);
+        if let Some(c) = self.counted.get(node)
+            && Arc::ptr_eq(&c.report, &report)
+            && c.shares_changed == shares_changed
+        {
+            return Arc::clone(&c.state);
+        }
+        let mut state = Arc::clone(&report);
+        if !shares.is_empty() {
+            let shares: Vec<AllocatedShare> = shares.into_iter().cloned().collect();
+            subtract_unshown(Arc::make_mut(&mut state), &shares);
+        }
+        let counted = Counted {
+            report,
+            shares_changed,
+            state: Arc::clone(&state),
+        };
+        self.counted.insert(node.to_string(), counted);
+        state
+    }
+
+    /// Joins the devices of `node`'s slices again, after one of them changed.
+    fn join_devices(&mut self, node: &str) {
+        let mut of_node: Vec<(&String, &Arc<Vec<Device>>)> = self
+            .slices
+            .iter()
+            .filter(|(_, (n, _))| n == node)
+            .map(|(name, (_, devices))| (name, devices))
+            .collect();
+        of_node.sort_by(|a, b| a.0.cmp(b.0));
+        let joined = match of_node.as_slice() {
+            [] => None,
+            [(_, devices)] => Some(Arc::clone(devices)),
+            several => Some(Arc::new(
+                several.iter().flat_map(|(_, d)| d.iter().cloned()).collect(),
+            )),
+        };
+        match joined {
+            Some(devices) => self.node_devices.insert(node.to_string(), devices),
+            None => self.node_devices.remove(node),
+        };
+    }
+}
+
 /// Compiled CEL selectors by expression, kept between decisions (at most this many).
 const SELECTORS_KEPT: usize = 1024;
 
@@ -245,6 +355,8 @@ pub struct Placer {
     reporter: Option<(Client, Reporter)>,
     known: Mutex<Known>,
     selectors: Mutex<HashMap<String, Arc<Selector>>>,
+    /// What each node's devices answered to the selectors, kept between decisions.
+    selections: Mutex<SelectionMemo>,
     changed: tokio::sync::Notify,
     writes: Arc<tokio::sync::Semaphore>,
 }
@@ -287,9 +399,10 @@ enum Decision {
 /// How often a pod that found no room is looked at again even if no claim freed any.
 const RECHECK_EVERY: Duration = Duration::from_secs(10);
 
-/// Allocations written at once, each a few requests to the API server: decisions stay one at a
-/// time, the round trips overlap.
-const WRITES_IN_FLIGHT: usize = 16;
+/// Allocations written at once, each two requests to the API server one after the other (the claim's
+/// status, then the gate): decisions stay one at a time, the round trips overlap. With 16, at 1000
+/// nodes and ~420 ms a pair on a loaded API server, the writes held placement at ~36 pods/s.
+const WRITES_IN_FLIGHT: usize = 64;
 
 fn pod_key(pod: &Pod) -> String {
     format!(
@@ -348,6 +461,7 @@ impl Placer {
             reporter,
             known: Mutex::new(Known::default()),
             selectors: Mutex::new(HashMap::new()),
+            selections: Mutex::new(SelectionMemo::default()),
             changed: tokio::sync::Notify::new(),
             writes: Arc::new(tokio::sync::Semaphore::new(WRITES_IN_FLIGHT)),
         })
@@ -355,6 +469,10 @@ impl Placer {
 
     fn known(&self) -> std::sync::MutexGuard<'_, Known> {
         self.known.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn selections(&self) -> std::sync::MutexGuard<'_, SelectionMemo> {
+        self.selections.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Starts the watches of slices, claims, DeviceClasses, Nodes and unscheduled pods.
@@ -408,20 +526,38 @@ impl Placer {
         known.room_freed += 1;
         let name = |s: &ResourceSlice| s.metadata.name.clone().unwrap_or_default();
         match event {
-            watcher::Event::Init => known.slices.clear(),
+            watcher::Event::Init => {
+                known.slices.clear();
+                known.node_devices.clear();
+            }
             watcher::Event::InitApply(s) | watcher::Event::Apply(s) => {
+                let before = known.slices.remove(&name(s)).map(|(node, _)| node);
                 if s.spec.driver == self.config.driver_name
                     && let Some(node) = s.spec.node_name.clone()
                 {
                     let devices = Arc::new(s.spec.devices.clone().unwrap_or_default());
-                    known.slices.insert(name(s), (node, devices));
+                    known.slices.insert(name(s), (node.clone(), devices));
+                    known.join_devices(&node);
+                }
+                if let Some(node) = before {
+                    known.join_devices(&node);
                 }
             }
             watcher::Event::Delete(s) => {
-                known.slices.remove(&name(s));
+                if let Some((node, _)) = known.slices.remove(&name(s)) {
+                    known.join_devices(&node);
+                }
             }
             watcher::Event::InitDone => {}
         }
+        // What was kept for nodes that publish no devices any more goes.
+        let Known {
+            node_devices,
+            counted,
+            ..
+        } = &mut *known;
+        counted.retain(|n, _| node_devices.contains_key(n));
+        self.selections().retain(|n| node_devices.contains_key(n));
         drop(known);
         self.changed.notify_one();
     }
@@ -547,42 +683,30 @@ impl Placer {
         rules: &PodRules,
         pinned: Option<&str>,
     ) -> (Vec<DraNode>, Vec<String>) {
-        let known = self.known();
-        // Each node's devices: its slice's, shared (a node with several slices gets them joined).
-        let mut devices: BTreeMap<&str, Arc<Vec<Device>>> = BTreeMap::new();
-        for (node, slice_devices) in known.slices.values() {
-            match devices.get_mut(node.as_str()) {
-                None => {
-                    devices.insert(node, Arc::clone(slice_devices));
-                }
-                Some(joined) => Arc::make_mut(joined).extend(slice_devices.iter().cloned()),
-            }
-        }
-        let mut shares: HashMap<&str, Vec<AllocatedShare>> = HashMap::new();
-        for share in known.shares.all() {
-            shares.entry(share.node.as_str()).or_default().push(share.clone());
-        }
+        let mut known = self.known();
+        let known = &mut *known;
         let (mut candidates, mut rejected) = (Vec::new(), Vec::new());
-        for (name, devices) in devices {
-            if pinned.is_some_and(|p| p != name) {
-                continue;
-            }
-            let Some(facts) = known.nodes.get(name) else {
+        let nodes: Vec<(String, Arc<Vec<Device>>)> = known
+            .node_devices
+            .iter()
+            .filter(|(name, _)| pinned.is_none_or(|p| p == name.as_str()))
+            .map(|(name, devices)| (name.clone(), Arc::clone(devices)))
+            .collect();
+        for (name, devices) in nodes {
+            let Some(facts) = known.nodes.get(&name) else {
                 rejected.push(format!("{name}: its Node is not known yet"));
                 continue;
             };
-            let in_use = scorer.requested_on(name).unwrap_or_default();
+            let in_use = scorer.requested_on(&name).unwrap_or_default();
             if let Err(why) = rules.admits(facts, in_use) {
                 rejected.push(format!("{name}: {why}"));
                 continue;
             }
-            let Some(mut state) = scorer.node_report(name) else {
+            let Some(report) = scorer.node_report(&name) else {
                 rejected.push(format!("{name}: the agent's report is not read yet"));
                 continue;
             };
-            if let Some(shares) = shares.get(name) {
-                subtract_unshown(Arc::make_mut(&mut state), shares);
-            }
+            let state = known.counted(&name, report);
             candidates.push(DraNode { state, devices });
         }
         (candidates, rejected)
@@ -737,17 +861,23 @@ impl Placer {
                 }
             ))));
         }
-        let selects = |alt: &Alternative, device: &Device| -> Result<bool, String> {
+        let selects = |node: &DraNode, alt: &Alternative| -> Result<Vec<usize>, String> {
             let class = class_selectors.get(&alt.class).into_iter().flatten();
-            for e in class.chain(&alt.selectors) {
-                let Some(selector) = compiled.get(e) else {
-                    return Ok(false);
-                };
-                if !selector.matches(driver, device).map_err(|err| err.to_string())? {
-                    return Ok(false);
-                }
-            }
-            Ok(true)
+            let selectors: Vec<String> = class.chain(&alt.selectors).cloned().collect();
+            let evaluate = || {
+                place::select_each(node, |device| {
+                    for e in &selectors {
+                        let Some(selector) = compiled.get(e) else {
+                            return Ok(false);
+                        };
+                        if !selector.matches(driver, device).map_err(|err| err.to_string())? {
+                            return Ok(false);
+                        }
+                    }
+                    Ok(true)
+                })
+            };
+            self.selections().select(node, selectors.clone(), evaluate)
         };
         let rank = |nodes: &[Arc<NodeSnapshot>], need: Need| -> Vec<Option<Ranked>> {
             // Memory is asked in MiB; a node counts it in its unit: rank each unit's nodes in that unit.
@@ -1048,7 +1178,9 @@ impl Placer {
             let uid = pod.metadata.uid.clone().unwrap_or_default();
             let key = pod_key(&pod);
             let started = std::time::Instant::now();
-            match self.decide(scorer, client, &pod).await {
+            let decision = self.decide(scorer, client, &pod).await;
+            scorer.decided_on_dra(started);
+            match decision {
                 Ok(Decision::Done(Outcome::Released(kind, why))) => {
                     scorer
                         .metrics
@@ -1313,6 +1445,96 @@ mod tests {
         );
         subtract_unshown(&mut shown, &[share(0, Some(5000), "ns/a")]);
         assert_eq!(shown.gpus()[0].allocated_mib, 5000);
+    }
+
+    #[test]
+    fn a_node_with_several_slices_has_their_devices_joined_and_kept_until_one_changes() {
+        let device = |name: &str| Device {
+            name: name.into(),
+            ..Default::default()
+        };
+        let mut known = Known::default();
+        let slice = |known: &mut Known, name: &str, node: &str, devices: &[&str]| {
+            let devices = Arc::new(devices.iter().map(|d| device(d)).collect());
+            known.slices.insert(name.into(), (node.into(), devices));
+            known.join_devices(node);
+        };
+        slice(&mut known, "n-b", "n", &["gpu-2"]);
+        slice(&mut known, "n-a", "n", &["gpu-0", "gpu-1"]);
+        let names = |known: &Known, node: &str| -> Vec<String> {
+            known
+                .node_devices
+                .get(node)
+                .map_or(Vec::new(), |d| d.iter().map(|d| d.name.clone()).collect())
+        };
+        assert_eq!(
+            names(&known, "n"),
+            ["gpu-0", "gpu-1", "gpu-2"],
+            "in the slices' name order"
+        );
+        let joined = Arc::clone(&known.node_devices["n"]);
+        slice(&mut known, "m-a", "m", &["gpu-0"]);
+        assert!(
+            Arc::ptr_eq(&joined, &known.node_devices["n"]),
+            "another node's slice: n's kept"
+        );
+        known.slices.remove("n-a");
+        known.join_devices("n");
+        assert_eq!(names(&known, "n"), ["gpu-2"]);
+        known.slices.remove("n-b");
+        known.join_devices("n");
+        assert!(!known.node_devices.contains_key("n"), "no slice, no devices");
+    }
+
+    #[test]
+    fn a_node_counted_once_is_counted_again_only_when_its_report_or_its_shares_change() {
+        let report = |used| {
+            Arc::new(NodeSnapshot::with_gpus(
+                "n",
+                1,
+                vec![GpuSnapshot::for_tests(0, "Tesla T4", 15360, used)],
+            ))
+        };
+        let share = |node: &str, owner: &str| AllocatedShare {
+            node: node.into(),
+            index: 0,
+            mib: Some(5000),
+            owner: owner.into(),
+        };
+        let mut known = Known::default();
+        let first = report(0);
+        let idle = known.counted("n", Arc::clone(&first));
+        assert!(Arc::ptr_eq(&idle, &first), "no shares: the report itself");
+        known.shares.assume("a", vec![share("n", "ns/a")]);
+        let (changed, on_n) = known.shares.on_node("n");
+        assert_eq!((on_n.len(), known.shares.on_node("m").0), (1, 0));
+        let counted = known.counted("n", Arc::clone(&first));
+        assert_eq!(
+            counted.gpus()[0].allocated_mib,
+            5000,
+            "the share not shown yet is taken"
+        );
+        assert!(
+            Arc::ptr_eq(&counted, &known.counted("n", Arc::clone(&first))),
+            "reused"
+        );
+        // A share on another node changes nothing here.
+        known.shares.assume("b", vec![share("m", "ns/b")]);
+        assert_eq!(known.shares.on_node("n").0, changed);
+        assert!(Arc::ptr_eq(&counted, &known.counted("n", Arc::clone(&first))));
+        // A new report: counted again from it.
+        let newer = report(1000);
+        assert_eq!(known.counted("n", newer).gpus()[0].allocated_mib, 6000);
+        // The share gone (the write failed): back to the report alone.
+        known.shares.unassume("a");
+        assert!(known.shares.on_node("n").0 > changed);
+        assert_eq!(known.counted("n", Arc::clone(&first)).gpus()[0].allocated_mib, 0);
+        known.shares.relist();
+        assert_eq!(
+            known.shares.on_node("m").1.len(),
+            1,
+            "a write in flight outlives a relist"
+        );
     }
 
     #[test]

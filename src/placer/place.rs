@@ -38,9 +38,83 @@ pub struct Ranked {
 
 /// The extender's ranking of nodes (names unique within a call) for a need.
 pub type Rank<'a> = dyn Fn(&[Arc<NodeSnapshot>], Need) -> Vec<Option<Ranked>> + 'a;
-/// Whether a device matches an alternative's selectors (the class's and the request's); `Err`: the
-/// selectors cannot be evaluated on it.
-pub type Selects<'a> = dyn Fn(&Alternative, &Device) -> Result<bool, String> + 'a;
+/// The devices of a node (positions in its `devices`) an alternative's selectors (the class's and the
+/// request's) take; `Err`: they cannot be evaluated on one of them ([`select_each`] says which).
+pub type Selects<'a> = dyn Fn(&DraNode, &Alternative) -> Result<Vec<usize>, String> + 'a;
+
+/// [`Selects`] from an answer per device: every device of `node` that `matches` takes, or the first error.
+pub fn select_each(
+    node: &DraNode,
+    matches: impl Fn(&Device) -> Result<bool, String>,
+) -> Result<Vec<usize>, String> {
+    let mut taken = Vec::new();
+    for (d, device) in node.devices.iter().enumerate() {
+        match matches(device) {
+            Ok(true) => taken.push(d),
+            Ok(false) => {}
+            Err(e) => return Err(format!("node {} device {}: {e}", node.state.name, device.name)),
+        }
+    }
+    Ok(taken)
+}
+
+/// What each node's devices answered to each list of selectors, kept while the node publishes the
+/// same devices (the same `Arc` of its slices): selectors are evaluated on a device once, not once per
+/// decision. Most of a decision's time otherwise (converting every attribute of every device of 1000
+/// nodes, each time).
+#[derive(Debug, Default)]
+pub struct SelectionMemo {
+    by_node: HashMap<String, NodeSelections>,
+}
+
+#[derive(Debug)]
+struct NodeSelections {
+    /// The devices the answers are for: held, so a new slice (a new `Arc`) is never taken for them.
+    devices: Arc<Vec<Device>>,
+    by_selectors: HashMap<Vec<String>, Result<Vec<usize>, String>>,
+}
+
+/// Selector lists kept per node; past it the node's answers start over (selectors come from claims,
+/// which users write: their variety is theirs).
+const SELECTIONS_PER_NODE: usize = 256;
+
+impl SelectionMemo {
+    /// The devices of `node` that `selectors` take, from the memo, else from `evaluate` (kept).
+    pub fn select(
+        &mut self,
+        node: &DraNode,
+        selectors: Vec<String>,
+        evaluate: impl FnOnce() -> Result<Vec<usize>, String>,
+    ) -> Result<Vec<usize>, String> {
+        let entry = self
+            .by_node
+            .entry(node.state.name.clone())
+            .or_insert_with(|| NodeSelections {
+                devices: Arc::clone(&node.devices),
+                by_selectors: HashMap::new(),
+            });
+        if !Arc::ptr_eq(&entry.devices, &node.devices) || entry.by_selectors.len() >= SELECTIONS_PER_NODE {
+            entry.devices = Arc::clone(&node.devices);
+            entry.by_selectors.clear();
+        }
+        if let Some(known) = entry.by_selectors.get(&selectors) {
+            return known.clone();
+        }
+        let answer = evaluate();
+        entry.by_selectors.insert(selectors, answer.clone());
+        answer
+    }
+
+    /// Forgets the nodes `keep` says no to (nodes that no longer publish devices).
+    pub fn retain(&mut self, keep: impl Fn(&str) -> bool) {
+        self.by_node.retain(|node, _| keep(node));
+    }
+
+    /// Nodes with answers kept.
+    pub fn nodes(&self) -> usize {
+        self.by_node.len()
+    }
+}
 
 /// Where the pod goes.
 #[derive(Debug, Clone, PartialEq)]
@@ -140,20 +214,7 @@ pub fn place(
         for (i, plan) in plans.iter().enumerate() {
             for (j, request) in plan.requests.iter().enumerate() {
                 for (k, alt) in request.alternatives.iter().enumerate() {
-                    let mut taken = Vec::new();
-                    for (d, device) in c.devices.iter().enumerate() {
-                        match selects(alt, device) {
-                            Ok(true) => taken.push(d),
-                            Ok(false) => {}
-                            Err(e) => {
-                                return Err(Unplaced::Selector(format!(
-                                    "node {} device {}: {e}",
-                                    c.state.name, device.name
-                                )));
-                            }
-                        }
-                    }
-                    by_alt.insert((i, j, k), taken);
+                    by_alt.insert((i, j, k), selects(c, alt).map_err(Unplaced::Selector)?);
                 }
             }
         }
@@ -590,14 +651,16 @@ mod tests {
     }
 
     /// Selectors written as `attribute=value` (fully qualified), each needing the device's string.
-    fn selects(alt: &Alternative, device: &Device) -> Result<bool, String> {
-        Ok(alt.selectors.iter().all(|s| {
-            let (name, value) = s.split_once('=').unwrap_or((s, ""));
-            match attribute(device, name, "gpumem.io").and_then(|a| a.string.as_deref()) {
-                Some(v) => v == value,
-                None => false,
-            }
-        }))
+    fn selects(node: &DraNode, alt: &Alternative) -> Result<Vec<usize>, String> {
+        select_each(node, |device| {
+            Ok(alt.selectors.iter().all(|s| {
+                let (name, value) = s.split_once('=').unwrap_or((s, ""));
+                match attribute(device, name, "gpumem.io").and_then(|a| a.string.as_deref()) {
+                    Some(v) => v == value,
+                    None => false,
+                }
+            }))
+        })
     }
 
     fn alt(result_name: &str, need: Need, selectors: &[&str]) -> Alternative {
@@ -824,7 +887,7 @@ mod tests {
     fn a_selector_that_cannot_be_evaluated_stops_the_placement_as_in_kube_scheduler() {
         let n = node("n", &[(T4, 15360, 0, "", "r0")]);
         let failing =
-            |_: &Alternative, _: &Device| -> Result<bool, String> { Err("no such key: memoryGiB".into()) };
+            |node: &DraNode, _: &Alternative| select_each(node, |_| Err("no such key: memoryGiB".into()));
         let err = place(
             &[one("ns/c", alt("gpu", Need::Mib(1), &[]))],
             &[n],
@@ -841,5 +904,41 @@ mod tests {
             place(&[], &[], "gpumem.io", &selects, &rank),
             Err(Unplaced::NoRoom(_))
         ));
+    }
+
+    #[test]
+    fn the_memo_evaluates_a_node_once_per_selector_list_until_its_devices_change() {
+        let t4 = node("n", &[(T4, 15360, 0, "", "r0"), (V100, 32768, 0, "", "r0")]);
+        let evaluations = std::cell::Cell::new(0);
+        let mut memo = SelectionMemo::default();
+        let mut select = |n: &DraNode, selectors: &[&str]| {
+            let list = selectors.iter().map(|s| s.to_string()).collect();
+            memo.select(n, list, || {
+                evaluations.set(evaluations.get() + 1);
+                selects(n, &alt("gpu", Need::Mib(1), selectors))
+            })
+        };
+        let on_t4 = format!("gpumem.io/productName={T4}");
+        assert_eq!(select(&t4, &[&on_t4]), Ok(vec![0]));
+        assert_eq!(select(&t4, &[&on_t4]), Ok(vec![0]), "the same answer again");
+        assert_eq!(evaluations.get(), 1, "from the memo the second time");
+        assert_eq!(select(&t4, &[]), Ok(vec![0, 1]), "another list is its own entry");
+        assert_eq!(evaluations.get(), 2);
+        // The node publishes again (a new slice, the same name): its answers start over.
+        let republished = node("n", &[(V100, 32768, 0, "", "r0"), (T4, 15360, 0, "", "r0")]);
+        assert_eq!(select(&republished, &[&on_t4]), Ok(vec![1]));
+        assert_eq!(evaluations.get(), 3);
+        // An error is an answer too, kept as such.
+        let mut failing = 0;
+        for _ in 0..2 {
+            let got = memo.select(&t4, vec!["broken".into()], || {
+                failing += 1;
+                select_each(&t4, |_| Err("no such key".into()))
+            });
+            assert_eq!(got, Err("node n device gpu-0: no such key".into()));
+        }
+        assert_eq!(failing, 1);
+        memo.retain(|n| n != "n");
+        assert_eq!(memo.nodes(), 0, "a node gone is forgotten");
     }
 }

@@ -349,6 +349,12 @@ impl Scorer {
         }))
     }
 
+    /// One decision of the DRA placer made (whatever it decided): the part of placing that is one
+    /// pod at a time.
+    pub fn decided_on_dra(&self, started: Instant) {
+        self.observe("dra_decide", started);
+    }
+
     /// Counts a pod the placer placed, `started` when it began deciding.
     pub fn placed_on_dra(&self, started: Instant) {
         self.metrics.dra_placed.inc();
