@@ -24,10 +24,13 @@
 #   GPUMEM_SCALE_BURST      burst phase, pods (3000)
 #   GPUMEM_SCALE_FILL       fill phase, pods of 1000 MiB left bound to read the scorer's memory (20000; 0: none)
 #   GPUMEM_SCALE_SEED       seed of the pod order and of the node profiles' placement (1)
+#   GPUMEM_SCALE_MIX        the pod/node mix: trace (the trace's sizes only) or realistic (zones, the GPU
+#                           taint, reserved nodes, zone and GPU-model selectors; docs/scale.md) (trace)
 #   GPUMEM_SCALE_TRACE      the openb pod list (../shared/traces/openb/openb_pod_list_default.csv)
 #   GPUMEM_SCALE_OUT        results (target/scale): <nodes>-<mode>/{summary.json,pods.csv,stdout.txt,logs/}
 #   GPUMEM_SCALE_QPS, GPUMEM_SCALE_QPS_BURST   kube-scheduler's client rate limit, both modes (500, 1000)
-#   GPUMEM_SCALE_CHART      the SVG written from the first node count's two runs (docs/scale.svg; "" for none)
+#   GPUMEM_SCALE_CHART      the SVG written from the first node count's two runs (docs/scale.svg, with the
+#                           realistic mix $GPUMEM_SCALE_OUT/scale-realistic.svg; "" for none)
 
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -60,9 +63,20 @@ for m in $MODES; do
   esac
 done
 SEED=${GPUMEM_SCALE_SEED:-1}
+MIX=${GPUMEM_SCALE_MIX:-trace}
+case "$MIX" in
+  trace | realistic) ;;
+  *)
+    echo "error: unknown mix $MIX (trace, realistic)" >&2
+    exit 2
+    ;;
+esac
 TRACE=${GPUMEM_SCALE_TRACE:-$ROOT/../shared/traces/openb/openb_pod_list_default.csv}
 OUT=${GPUMEM_SCALE_OUT:-$ROOT/target/scale}
-CHART=${GPUMEM_SCALE_CHART-$ROOT/docs/scale.svg}
+# The README's chart is of the trace mix: a realistic run draws its own beside its results.
+default_chart=$ROOT/docs/scale.svg
+[ "$MIX" == trace ] || default_chart=$OUT/scale-$MIX.svg
+CHART=${GPUMEM_SCALE_CHART-$default_chart}
 # kube-scheduler's client-side rate limit, raised the same way in both modes. 1.24's default (qps
 # 50, burst 100) caps every request kube-scheduler makes, and with kube-scheduler alone each pod costs
 # one binding POST: it could not bind more than ~50 pods/s, which would measure the limiter, not the
@@ -194,7 +208,7 @@ run_one() {
   fi
   log "cluster up in $((SECONDS - started)) s so far; gpumem-scale runs"
   KUBECONFIG=$ADMIN_KUBECONFIG "$BIN/gpumem-scale" run --mode "$mode" --nodes "$nodes" \
-    --rate "$RATE" --duration "$DURATION" --burst "$BURST" --fill "$FILL" --saturate "$SATURATE" --seed "$SEED" \
+    --rate "$RATE" --duration "$DURATION" --burst "$BURST" --fill "$FILL" --saturate "$SATURATE" --seed "$SEED" --mix "$MIX" \
     --trace "$TRACE" --out "$RUN_OUT" --k8s-state "$K8S_STATE" "${scorer_args[@]}" \
     > "$RUN_OUT/stdout.txt" 2> >(tee "$RUN_OUT/progress.log" >&2)
   local status=$?

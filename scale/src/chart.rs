@@ -208,8 +208,8 @@ fn process<'a>(p: Option<&'a Value>, name: &str) -> Option<&'a Value> {
 /// One markdown row per results directory.
 pub fn table_rows(summaries: &[Value]) -> Vec<String> {
     let mut rows = vec![
-        "| nodes | mode | steady: created/s, bound/s | steady p50 / p95 / p99 (ms) | share / whole-1 / multi-GPU p99 (ms) | burst bound/s | burst p50 / p99 (ms) | placed (steady, burst) | misfits (burst) | CPU % of a core in the burst: apiserver, etcd, scheduler, scorer | scorer peak RSS (fill) |".to_string(),
-        "|---|---|---|---|---|---|---|---|---|---|---|".to_string(),
+        "| nodes | mode | steady: created/s, bound/s | steady p50 / p95 / p99 (ms) | share / whole-1 / multi-GPU p99 (ms) | burst bound/s | burst p50 / p99 (ms) | placed (steady, burst) | misfits (burst) | CPU % of a core in the burst: apiserver, etcd, scheduler, scorer | scorer peak RSS (fill) | claims placed by gpumem (steady, burst) |".to_string(),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|".to_string(),
     ];
     for s in summaries {
         let steady = phase(s, "steady");
@@ -226,10 +226,21 @@ pub fn table_rows(summaries: &[Value]) -> Vec<String> {
                 get(fill, "placed").as_u64().unwrap_or(0)
             )
         });
+        // Only DRA runs read who allocated the claims.
+        let by_gpumem = |p: Option<&Value>| {
+            p.map(|p| &p["placed_by_gpumem"]["fraction"])
+                .and_then(Value::as_f64)
+                .map_or("-".to_string(), |x| format!("{:.1}%", x * 100.0))
+        };
+        // Runs before the mix existed have no `mix`: the trace's.
+        let mode = match s["mix"].as_str() {
+            Some(mix) if mix != "trace" => format!("{} ({mix})", s["mode"].as_str().unwrap_or("?")),
+            _ => s["mode"].as_str().unwrap_or("?").to_string(),
+        };
         rows.push(format!(
-            "| {} | {} | {} / {} | {} / {} / {} | {} / {} / {} | {} | {} / {} | {}%, {}% | {} | {}, {}, {}, {} | {} |",
+            "| {} | {} | {} / {} | {} / {} / {} | {} / {} / {} | {} | {} / {} | {}%, {}% | {} | {}, {}, {}, {} | {} | {}, {} |",
             s["nodes"],
-            s["mode"].as_str().unwrap_or("?"),
+            mode,
             num(&get(steady, "created_per_s"), 0),
             num(&get(steady, "pods_per_s"), 0),
             num(&lat(steady, "p50_ms"), 0),
@@ -249,6 +260,8 @@ pub fn table_rows(summaries: &[Value]) -> Vec<String> {
             cpu("kube-scheduler"),
             cpu("gpumem-scorer"),
             rss,
+            by_gpumem(steady),
+            by_gpumem(burst),
         ));
     }
     rows
@@ -299,5 +312,24 @@ mod tests {
         assert_eq!(rows.len(), 3);
         assert!(rows[2].starts_with("| 1000 | alone | 100 / 48 | 12 / 40 / 90 | 80 / - / - | 70 | 100 / 900 | 100.0%, 50.0% | 12 |"), "{}", rows[2]);
         assert!(rows[2].contains("-, -, 95, -"), "{}", rows[2]);
+        assert!(rows[2].ends_with("| -, - |"), "no claims read: {}", rows[2]);
+        assert_eq!(rows[0].matches('|').count(), rows[2].matches('|').count());
+        assert_eq!(rows[0].matches('|').count(), rows[1].matches('|').count());
+    }
+
+    #[test]
+    fn a_realistic_dra_row_names_its_mix_and_who_placed_the_claims() {
+        let s = serde_json::json!({"nodes": 1000, "mode": "dra-gpumem", "mix": "realistic", "phases": [
+            {"phase": "steady", "placed_by_gpumem": {"fraction": 0.9975}},
+            {"phase": "burst", "placed_by_gpumem": {"fraction": 1.0}}]});
+        let rows = table_rows(&[s]);
+        assert!(
+            rows[2].starts_with("| 1000 | dra-gpumem (realistic) |"),
+            "{}",
+            rows[2]
+        );
+        assert!(rows[2].ends_with("| 99.8%, 100.0% |"), "{}", rows[2]);
+        let trace = serde_json::json!({"nodes": 10, "mode": "extender", "mix": "trace", "phases": []});
+        assert!(table_rows(&[trace])[2].starts_with("| 10 | extender |"));
     }
 }

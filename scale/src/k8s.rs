@@ -12,12 +12,13 @@ use gpumem::node::{self, ROOM_FREED_LABEL, TopologyAnnotation, UsageAnnotation};
 use gpumem::plugin::devices::{GPU_RESOURCE, MEM_RESOURCE, units_per_gpu};
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
-use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceClaimTemplate, ResourceSlice};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
+use k8s_openapi::api::resource::v1::{DeviceSelector, ResourceClaim, ResourceClaimTemplate, ResourceSlice};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ManagedFieldsEntry, MicroTime};
 use kube::api::{ListParams, Patch, PatchParams, PostParams};
 use kube::{Api, Client};
 use serde_json::json;
 
+use crate::mix::{self, NodeShape, Shape};
 use crate::played::NodeModel;
 use crate::trace::Size;
 
@@ -134,18 +135,48 @@ pub async fn apply_agent_metadata(
         .map(drop)
 }
 
-/// Creates (or takes over) one scale node: the object with its taint, its status (Ready), its Lease,
-/// and the agent's labels and annotations (every GPU idle).
-pub async fn create_node(client: &Client, name: &str, model: &NodeModel, dra: bool) -> anyhow::Result<()> {
-    let nodes: Api<Node> = Api::all(client.clone());
-    let object: Node = serde_json::from_value(json!({
+/// The scale node's taints: the scale taint, and what its shape adds (the GPU taint, the reserved one).
+pub fn node_taints(shape: NodeShape) -> serde_json::Value {
+    let mut taints = vec![json!({"key": SCALE_KEY, "value": "true", "effect": "NoSchedule"})];
+    if shape.gpu_taint {
+        let (key, value) = mix::GPU_TAINT;
+        taints.push(json!({"key": key, "value": value, "effect": "NoSchedule"}));
+    }
+    if shape.reserved {
+        let (key, value) = mix::RESERVED_TAINT;
+        taints.push(json!({"key": key, "value": value, "effect": "NoSchedule"}));
+    }
+    serde_json::Value::Array(taints)
+}
+
+/// The scale node as created: the kubelet's labels, the scale label, its profile, its zone (if its
+/// shape has one), and its taints.
+pub fn node_object(name: &str, model: &NodeModel, shape: NodeShape) -> anyhow::Result<Node> {
+    let mut labels = json!({
+        "kubernetes.io/hostname": name, "kubernetes.io/os": "linux", "kubernetes.io/arch": "amd64",
+        SCALE_KEY: "true", "gpumem.io/scale-profile": model.profile});
+    if let Some(zone) = shape.zone {
+        labels[mix::ZONE_LABEL] = zone.into();
+    }
+    serde_json::from_value(json!({
         "apiVersion": "v1", "kind": "Node",
-        "metadata": {"name": name, "labels": {
-            "kubernetes.io/hostname": name, "kubernetes.io/os": "linux", "kubernetes.io/arch": "amd64",
-            SCALE_KEY: "true", "gpumem.io/scale-profile": model.profile}},
-        "spec": {"taints": [{"key": SCALE_KEY, "value": "true", "effect": "NoSchedule"}]},
+        "metadata": {"name": name, "labels": labels},
+        "spec": {"taints": node_taints(shape)},
     }))
-    .context("building the Node object")?;
+    .context("building the Node object")
+}
+
+/// Creates (or takes over) one scale node: the object with its taints, its status (Ready), its Lease,
+/// and the agent's labels and annotations (every GPU idle).
+pub async fn create_node(
+    client: &Client,
+    name: &str,
+    model: &NodeModel,
+    shape: NodeShape,
+    dra: bool,
+) -> anyhow::Result<()> {
+    let nodes: Api<Node> = Api::all(client.clone());
+    let object = node_object(name, model, shape)?;
     match nodes.create(&PostParams::default(), &object).await {
         Ok(_) => {}
         Err(kube::Error::Api(s)) if s.code == 409 => {}
@@ -166,7 +197,7 @@ pub async fn create_node(client: &Client, name: &str, model: &NodeModel, dra: bo
     // lifecycle controller removes it once the node is Ready, but through kube-controller-manager's
     // client limit (20 qps in 1.24, with other writes: ~5 nodes/s here, minutes for 1000 nodes). A
     // kubelet joins with the node Ready soon after; the tool does what the controller would do.
-    let taints = json!({"spec": {"taints": [{"key": SCALE_KEY, "value": "true", "effect": "NoSchedule"}]}});
+    let taints = json!({"spec": {"taints": node_taints(shape)}});
     nodes
         .patch(name, &PatchParams::default(), &Patch::Merge(&taints))
         .await
@@ -335,24 +366,48 @@ pub async fn ensure_namespace(client: &Client, name: &str) -> anyhow::Result<()>
 
 /// A pod asking for `size`: busybox (it never runs: no kubelet behind the scale nodes), small CPU
 /// and memory requests (the trace's would make CPU the limit, which is not what is measured), only
-/// on the scale nodes (their label, and their taint tolerated).
-pub fn pod(name: &str, run: &str, phase: &str, size: Size) -> anyhow::Result<Pod> {
+/// on the scale nodes (their label, and their taint tolerated); plus what its `shape` asks: a zone, a
+/// GPU model by the node's labels (the device-plugin path; [`claim_pod`] leaves it to the claim), the
+/// GPU and reserved taints tolerated.
+pub fn pod(name: &str, run: &str, phase: &str, size: Size, shape: Shape) -> anyhow::Result<Pod> {
     let (resource, amount) = size.resource();
+    let mut selector = BTreeMap::from([(SCALE_KEY.to_string(), "true".to_string())]);
+    if let Some(zone) = shape.zone {
+        selector.insert(mix::ZONE_LABEL.into(), zone.into());
+    }
+    let mut tolerations =
+        vec![json!({"key": SCALE_KEY, "operator": "Equal", "value": "true", "effect": "NoSchedule"})];
+    if shape.tolerate_gpu {
+        tolerations.push(json!({"key": mix::GPU_TAINT.0, "operator": "Exists", "effect": "NoSchedule"}));
+    }
+    if shape.tolerate_reserved {
+        let (key, value) = mix::RESERVED_TAINT;
+        tolerations.push(json!({"key": key, "operator": "Equal", "value": value, "effect": "NoSchedule"}));
+    }
+    let mut spec = json!({
+        "terminationGracePeriodSeconds": 0,
+        "tolerations": tolerations,
+        "containers": [{
+            "name": "main", "image": "localhost/busybox:harness", "imagePullPolicy": "Never",
+            "command": ["sleep", "3600"],
+            "resources": {"requests": {"cpu": "100m", "memory": "128Mi"},
+                          "limits": {resource: amount.to_string()}},
+        }],
+    });
+    if let Some(model) = shape.model {
+        let (labels, expressions) = model.node_selection();
+        selector.extend(labels);
+        if !expressions.is_empty() {
+            spec["affinity"] = json!({"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution":
+                {"nodeSelectorTerms": [{"matchExpressions": expressions}]}}});
+        }
+    }
+    spec["nodeSelector"] = json!(selector);
     serde_json::from_value(json!({
         "apiVersion": "v1", "kind": "Pod",
         "metadata": {"name": name, "labels": {RUN_LABEL: run, PHASE_LABEL: phase,
                      "gpumem.io/scale-kind": size.kind().as_str()}},
-        "spec": {
-            "terminationGracePeriodSeconds": 0,
-            "nodeSelector": {SCALE_KEY: "true"},
-            "tolerations": [{"key": SCALE_KEY, "operator": "Equal", "value": "true", "effect": "NoSchedule"}],
-            "containers": [{
-                "name": "main", "image": "localhost/busybox:harness", "imagePullPolicy": "Never",
-                "command": ["sleep", "3600"],
-                "resources": {"requests": {"cpu": "100m", "memory": "128Mi"},
-                              "limits": {resource: amount.to_string()}},
-            }],
-        },
+        "spec": spec,
     }))
     .context("building the Pod object")
 }
@@ -378,7 +433,8 @@ pub fn fault_pod(
     real: &[String],
     scheduler: Option<&str>,
 ) -> anyhow::Result<Pod> {
-    let mut object = serde_json::to_value(pod(name, run, phase, size)?).context("the Pod object")?;
+    let mut object =
+        serde_json::to_value(pod(name, run, phase, size, Shape::default())?).context("the Pod object")?;
     let spec = &mut object["spec"];
     if let Some(spec) = spec.as_object_mut() {
         spec.remove("nodeSelector");
@@ -404,8 +460,8 @@ pub fn deployment(
     mib: u64,
     tolerate_s: i64,
 ) -> anyhow::Result<k8s_openapi::api::apps::v1::Deployment> {
-    let mut template =
-        serde_json::to_value(pod(name, run, phase, Size::Share { mib })?).context("the Pod object")?;
+    let mut template = serde_json::to_value(pod(name, run, phase, Size::Share { mib }, Shape::default())?)
+        .context("the Pod object")?;
     let labels = json!({RUN_LABEL: run, PHASE_LABEL: phase, OWNED_SIZE_LABEL: mib.to_string(), "app": name});
     template["metadata"] = json!({"labels": labels});
     if let Some(tolerations) = template["spec"]["tolerations"].as_array_mut() {
@@ -508,11 +564,12 @@ pub fn claim_template(size: Size) -> anyhow::Result<ResourceClaimTemplate> {
     .context("building a ResourceClaimTemplate")
 }
 
-/// The pod's own claim on the DRA path, as its size's template would make it, named after the pod.
+/// The pod's own claim on the DRA path, as its size's template would make it, named after the pod;
+/// its shape's model, if any, as the request's CEL selector.
 /// The tool creates it itself: from a template, kube-controller-manager makes each claim and records
 /// it in the pod's status, within its client limit (20 requests/s by default, which the kit keeps),
 /// and that, not the scheduler, would bound every DRA run at about 9 pods/s.
-pub fn claim(name: &str, run: &str, phase: &str, size: Size) -> anyhow::Result<ResourceClaim> {
+pub fn claim(name: &str, run: &str, phase: &str, size: Size, shape: Shape) -> anyhow::Result<ResourceClaim> {
     let template = claim_template(size)?;
     let mut claim: ResourceClaim = serde_json::from_value(json!({
         "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
@@ -520,12 +577,26 @@ pub fn claim(name: &str, run: &str, phase: &str, size: Size) -> anyhow::Result<R
     }))
     .context("building a ResourceClaim")?;
     claim.spec = template.spec.spec;
+    if let Some(model) = shape.model {
+        let selector: DeviceSelector = serde_json::from_value(json!({"cel": {"expression": model.cel()}}))
+            .context("building a CEL selector")?;
+        let requests = claim
+            .spec
+            .devices
+            .iter_mut()
+            .flat_map(|d| d.requests.iter_mut().flatten());
+        for exactly in requests.filter_map(|r| r.exactly.as_mut()) {
+            exactly.selectors.get_or_insert_default().push(selector.clone());
+        }
+    }
     Ok(claim)
 }
 
-/// [`pod`] on the DRA path: the GPU comes from its own claim ([`claim`], same name).
-pub fn claim_pod(name: &str, run: &str, phase: &str, size: Size) -> anyhow::Result<Pod> {
-    let mut pod = pod(name, run, phase, size)?;
+/// [`pod`] on the DRA path: the GPU comes from its own claim ([`claim`], same name), which also
+/// carries the shape's model.
+pub fn claim_pod(name: &str, run: &str, phase: &str, size: Size, shape: Shape) -> anyhow::Result<Pod> {
+    let by_claim = Shape { model: None, ..shape };
+    let mut pod = pod(name, run, phase, size, by_claim)?;
     let spec = pod.spec.as_mut().context("a pod without spec")?;
     spec.resource_claims = Some(vec![k8s_openapi::api::core::v1::PodResourceClaim {
         name: "gpu".into(),
@@ -579,6 +650,73 @@ pub async fn claimed_mib(
         match page.metadata.continue_ {
             Some(token) if !token.is_empty() => params = params.continue_token(&token),
             _ => return Ok(total),
+        }
+    }
+}
+
+/// Who wrote a claim's allocation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Allocator {
+    /// gpumem's placer (its field manager).
+    Gpumem,
+    /// kube-scheduler's own allocator.
+    KubeScheduler,
+    /// No allocation, or someone else's.
+    Neither,
+}
+
+/// The placer's field manager (its writes of the claims' status).
+pub const PLACER_FIELD_MANAGER: &str = "gpumem-placer";
+/// kube-scheduler's field manager (its client's user agent).
+pub const SCHEDULER_FIELD_MANAGER: &str = "kube-scheduler";
+
+/// Who allocated a claim, from its `managedFields`: the manager whose entry for the `status`
+/// subresource owns `f:status` / `f:allocation` (an update that leaves the allocation as it is does
+/// not take it over, so the writer of the allocation keeps it).
+pub fn allocated_by(fields: &[ManagedFieldsEntry]) -> Allocator {
+    let owns = |manager: &str| {
+        fields.iter().any(|f| {
+            f.manager.as_deref() == Some(manager)
+                && f.subresource.as_deref() == Some("status")
+                && f.fields_v1
+                    .as_ref()
+                    .and_then(|v| v.0.get("f:status"))
+                    .is_some_and(|status| status.get("f:allocation").is_some())
+        })
+    };
+    if owns(PLACER_FIELD_MANAGER) {
+        Allocator::Gpumem
+    } else if owns(SCHEDULER_FIELD_MANAGER) {
+        Allocator::KubeScheduler
+    } else {
+        Allocator::Neither
+    }
+}
+
+/// Who allocated each claim of `selector` (by name): one paginated LIST of their metadata, which
+/// carries `managedFields`.
+pub async fn claim_allocators(
+    client: &Client,
+    namespace: &str,
+    selector: &str,
+) -> anyhow::Result<HashMap<String, Allocator>> {
+    let claims: Api<ResourceClaim> = Api::namespaced(client.clone(), namespace);
+    let mut out = HashMap::new();
+    let mut params = ListParams::default().labels(selector).limit(500);
+    loop {
+        let page = claims
+            .list_metadata(&params)
+            .await
+            .context("listing ResourceClaims")?;
+        for claim in page.items {
+            if let Some(name) = claim.metadata.name {
+                let fields = claim.metadata.managed_fields.unwrap_or_default();
+                out.insert(name, allocated_by(&fields));
+            }
+        }
+        match page.metadata.continue_ {
+            Some(token) if !token.is_empty() => params = params.continue_token(&token),
+            _ => return Ok(out),
         }
     }
 }
@@ -688,12 +826,14 @@ mod tests {
 
     #[test]
     fn dra_pods_ask_through_their_own_claim_made_as_their_sizes_template() {
-        let p = claim_pod("p1", "run", "steady", Size::Share { mib: 7537 }).unwrap();
+        let p = claim_pod("p1", "run", "steady", Size::Share { mib: 7537 }, Shape::default()).unwrap();
         let spec = p.spec.unwrap();
         let claims = spec.resource_claims.unwrap();
         assert_eq!(claims[0].resource_claim_name.as_deref(), Some("p1"));
-        let c =
-            serde_json::to_value(claim("p1", "run", "steady", Size::Share { mib: 7537 }).unwrap()).unwrap();
+        let c = serde_json::to_value(
+            claim("p1", "run", "steady", Size::Share { mib: 7537 }, Shape::default()).unwrap(),
+        )
+        .unwrap();
         assert_eq!(c["metadata"]["labels"][PHASE_LABEL], "steady");
         assert_eq!(
             c["spec"]["devices"]["requests"][0]["exactly"]["capacity"]["requests"]["memory"],
@@ -771,7 +911,7 @@ mod tests {
 
     #[test]
     fn a_failed_pod_says_why() {
-        let mut p = pod("p", "run", "faults", Size::Share { mib: 1 }).unwrap();
+        let mut p = pod("p", "run", "faults", Size::Share { mib: 1 }, Shape::default()).unwrap();
         assert_eq!(failure(&p), None);
         p.status = Some(
             serde_json::from_value(json!({"phase": "Failed", "reason": "UnexpectedAdmissionError",
@@ -786,7 +926,7 @@ mod tests {
 
     #[test]
     fn pods_ask_for_their_size_only_on_scale_nodes() {
-        let p = pod("p1", "run", "steady", Size::Share { mib: 7537 }).unwrap();
+        let p = pod("p1", "run", "steady", Size::Share { mib: 7537 }, Shape::default()).unwrap();
         let spec = p.spec.unwrap();
         let limits = spec.containers[0]
             .resources
@@ -798,8 +938,195 @@ mod tests {
         assert_eq!(limits["nvidia.com/gpu-mem"].0, "7537");
         assert_eq!(spec.node_selector.unwrap()[SCALE_KEY], "true");
         assert_eq!(spec.tolerations.unwrap()[0].key.as_deref(), Some(SCALE_KEY));
-        let p = pod("p2", "run", "burst", Size::Whole { count: 8 }).unwrap();
+        let p = pod("p2", "run", "burst", Size::Whole { count: 8 }, Shape::default()).unwrap();
         assert_eq!(p.metadata.labels.unwrap()["gpumem.io/scale-kind"], "multi-gpu");
+    }
+
+    fn shape(zone: Option<&'static str>, model: Option<mix::Model>, reserved: bool) -> Shape {
+        Shape {
+            zone,
+            model,
+            tolerate_gpu: true,
+            tolerate_reserved: reserved,
+        }
+    }
+
+    #[test]
+    fn the_trace_mix_adds_nothing_to_pods_claims_and_nodes() {
+        let p = serde_json::to_value(
+            pod("p", "r", "steady", Size::Share { mib: 100 }, Shape::default()).unwrap(),
+        )
+        .unwrap();
+        assert_eq!(p["spec"]["nodeSelector"], json!({SCALE_KEY: "true"}));
+        assert_eq!(
+            p["spec"]["tolerations"],
+            json!([{"key": SCALE_KEY, "operator": "Equal", "value": "true", "effect": "NoSchedule"}])
+        );
+        assert!(p["spec"].get("affinity").is_none());
+        let c = serde_json::to_value(
+            claim("p", "r", "steady", Size::Share { mib: 100 }, Shape::default()).unwrap(),
+        )
+        .unwrap();
+        assert!(
+            c["spec"]["devices"]["requests"][0]["exactly"]
+                .get("selectors")
+                .is_none()
+        );
+        let n =
+            serde_json::to_value(node_object("n", &model("t4x4"), NodeShape::default()).unwrap()).unwrap();
+        assert_eq!(
+            n["spec"]["taints"],
+            json!([{"key": SCALE_KEY, "value": "true", "effect": "NoSchedule"}])
+        );
+        assert!(n["metadata"]["labels"].get(mix::ZONE_LABEL).is_none());
+        assert_eq!(n["metadata"]["labels"]["gpumem.io/scale-profile"], "t4x4");
+    }
+
+    #[test]
+    fn realistic_nodes_carry_their_zone_and_taints() {
+        let reserved = NodeShape {
+            zone: Some("zone-b"),
+            gpu_taint: true,
+            reserved: true,
+        };
+        let n = serde_json::to_value(node_object("n", &model("dgx-a100"), reserved).unwrap()).unwrap();
+        assert_eq!(n["metadata"]["labels"]["topology.kubernetes.io/zone"], "zone-b");
+        assert_eq!(
+            n["spec"]["taints"],
+            json!([
+                {"key": SCALE_KEY, "value": "true", "effect": "NoSchedule"},
+                {"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"},
+                {"key": "gpumem.io/reserved", "value": "training", "effect": "NoSchedule"},
+            ])
+        );
+        let plain = NodeShape {
+            reserved: false,
+            ..reserved
+        };
+        assert_eq!(node_taints(plain).as_array().map(Vec::len), Some(2));
+    }
+
+    #[test]
+    fn realistic_pods_select_their_zone_and_model_and_tolerate_the_taints() {
+        let share = Size::Share { mib: 4096 };
+        let p = serde_json::to_value(
+            pod(
+                "p",
+                "r",
+                "steady",
+                share,
+                shape(Some("zone-c"), Some(mix::Model::T4), false),
+            )
+            .unwrap(),
+        )
+        .unwrap();
+        assert_eq!(
+            p["spec"]["nodeSelector"],
+            json!({SCALE_KEY: "true", "topology.kubernetes.io/zone": "zone-c",
+                   "nvidia.com/gpu.product": "Tesla-T4"})
+        );
+        assert_eq!(
+            p["spec"]["tolerations"][1],
+            json!({"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"})
+        );
+        assert_eq!(p["spec"]["tolerations"].as_array().map(Vec::len), Some(2));
+        assert!(p["spec"].get("affinity").is_none());
+        // 40Gi+ by the memory label: a comparison, so node affinity.
+        let p = serde_json::to_value(
+            pod(
+                "p",
+                "r",
+                "steady",
+                share,
+                shape(None, Some(mix::Model::Large), false),
+            )
+            .unwrap(),
+        )
+        .unwrap();
+        assert_eq!(p["spec"]["nodeSelector"], json!({SCALE_KEY: "true"}));
+        assert_eq!(
+            p["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"],
+            json!([{"matchExpressions": [
+                {"key": "nvidia.com/gpu.memory", "operator": "Gt", "values": ["40959"]}]}])
+        );
+        let multi = Size::Whole { count: 2 };
+        let p =
+            serde_json::to_value(pod("p", "r", "burst", multi, shape(None, None, true)).unwrap()).unwrap();
+        assert_eq!(
+            p["spec"]["tolerations"][2],
+            json!({"key": "gpumem.io/reserved", "operator": "Equal", "value": "training",
+                   "effect": "NoSchedule"})
+        );
+    }
+
+    #[test]
+    fn realistic_claims_carry_the_model_as_cel_and_their_pods_do_not() {
+        let share = Size::Share { mib: 4096 };
+        let s = shape(Some("zone-a"), Some(mix::Model::Large), false);
+        let c = serde_json::to_value(claim("p", "r", "steady", share, s).unwrap()).unwrap();
+        let exactly = &c["spec"]["devices"]["requests"][0]["exactly"];
+        assert_eq!(
+            exactly["selectors"],
+            json!([{"cel": {"expression":
+                r#"device.capacity["gpumem.io"].memory.compareTo(quantity("40Gi")) >= 0"#}}])
+        );
+        assert_eq!(exactly["capacity"]["requests"]["memory"], "4096Mi");
+        let c = serde_json::to_value(
+            claim(
+                "p",
+                "r",
+                "steady",
+                share,
+                shape(None, Some(mix::Model::T4), false),
+            )
+            .unwrap(),
+        )
+        .unwrap();
+        assert_eq!(
+            c["spec"]["devices"]["requests"][0]["exactly"]["selectors"][0]["cel"]["expression"],
+            r#"device.attributes["gpumem.io"].productName == "Tesla T4""#
+        );
+        let p = serde_json::to_value(claim_pod("p", "r", "steady", share, s).unwrap()).unwrap();
+        assert_eq!(
+            p["spec"]["nodeSelector"],
+            json!({SCALE_KEY: "true", "topology.kubernetes.io/zone": "zone-a"})
+        );
+        assert!(p["spec"].get("affinity").is_none(), "the model is the claim's");
+        assert_eq!(p["spec"]["tolerations"][1]["key"], "nvidia.com/gpu");
+        assert_eq!(p["spec"]["resourceClaims"][0]["resourceClaimName"], "p");
+    }
+
+    fn entries(value: serde_json::Value) -> Vec<ManagedFieldsEntry> {
+        serde_json::from_value(value).unwrap()
+    }
+
+    #[test]
+    fn who_allocated_a_claim_is_read_from_its_managed_fields() {
+        // The tool's create, then the placer's status write (allocation and reservation).
+        let created = json!({"manager": "gpumem-scale", "operation": "Update", "apiVersion": "resource.k8s.io/v1",
+            "fieldsType": "FieldsV1", "fieldsV1": {"f:metadata": {"f:labels": {".": {}}}, "f:spec": {"f:devices": {}}}});
+        let placer = entries(json!([created,
+            {"manager": "gpumem-placer", "operation": "Update", "apiVersion": "resource.k8s.io/v1",
+             "subresource": "status", "fieldsType": "FieldsV1",
+             "fieldsV1": {"f:status": {"f:allocation": {".": {}, "f:devices": {}}, "f:reservedFor": {}}}}]));
+        assert_eq!(allocated_by(&placer), Allocator::Gpumem);
+        // Given back by the placer (its entry keeps only what it still owns), allocated by kube-scheduler.
+        let scheduler = entries(json!([created,
+            {"manager": "gpumem-placer", "operation": "Update", "subresource": "status",
+             "fieldsType": "FieldsV1", "fieldsV1": {"f:status": {"f:devices": {}}}},
+            {"manager": "kube-scheduler", "operation": "Update", "subresource": "status",
+             "fieldsType": "FieldsV1",
+             "fieldsV1": {"f:status": {"f:allocation": {".": {}}, "f:reservedFor": {}}}}]));
+        assert_eq!(allocated_by(&scheduler), Allocator::KubeScheduler);
+        // Not allocated; or the allocation in an entry that is not the status subresource's.
+        assert_eq!(allocated_by(&entries(json!([created]))), Allocator::Neither);
+        let odd = entries(json!([
+            {"manager": "gpumem-placer", "operation": "Update",
+             "fieldsType": "FieldsV1", "fieldsV1": {"f:status": {"f:allocation": {}}}},
+            {"manager": "kubectl-edit", "operation": "Update", "subresource": "status",
+             "fieldsType": "FieldsV1", "fieldsV1": {"f:status": {"f:allocation": {}}}}]));
+        assert_eq!(allocated_by(&odd), Allocator::Neither);
+        assert_eq!(allocated_by(&[]), Allocator::Neither);
     }
 
     #[test]

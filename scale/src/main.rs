@@ -9,6 +9,7 @@
 
 mod chart;
 mod k8s;
+mod mix;
 mod played;
 mod procs;
 mod run;

@@ -22,7 +22,8 @@ use rand::SeedableRng;
 use rand::seq::SliceRandom;
 use serde::Serialize;
 
-use crate::k8s::{self, PHASE_LABEL, RUN_LABEL};
+use crate::k8s::{self, Allocator, PHASE_LABEL, RUN_LABEL};
+use crate::mix::{self, Mix, Model, Shape};
 use crate::played::{NodeBook, NodeModel, Outcome};
 use crate::procs::{PhaseMeter, ProcessUse, Watched};
 use crate::stats::{self, Latency};
@@ -75,8 +76,12 @@ pub struct RunArgs {
     /// The openb pod list whose GPU pods' sizes are sampled.
     #[arg(long, default_value = "../shared/traces/openb/openb_pod_list_default.csv")]
     pub trace: PathBuf,
+    /// Seed of the pod order, the profiles' placement, and the realistic mix's draws.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
+    /// The pod/node mix: the trace's sizes alone, or with zones, taints and selectors (docs/scale.md).
+    #[arg(long, value_enum, default_value_t = Mix::Trace)]
+    pub mix: Mix,
     /// Steady phase: pods created per second.
     #[arg(long, default_value_t = 100.0)]
     pub rate: f64,
@@ -164,6 +169,8 @@ pub fn apportion(mix: &[(String, f64)], total: usize) -> Vec<usize> {
 struct Rec {
     phase: usize,
     size: Size,
+    /// What the mix added to it (zone, model, tolerations).
+    shape: Shape,
     t0: Instant,
     t1: Option<Instant>,
     node: Option<String>,
@@ -221,6 +228,9 @@ struct World {
     silenced: Arc<Mutex<HashSet<String>>>,
     /// The nodes serve DRA: there is no agent to play (the claims carry the allocation).
     dra: bool,
+    /// The mix, and the seed its pod shapes are drawn from.
+    mix: Mix,
+    seed: u64,
     meter: Mutex<Option<PhaseMeter>>,
 }
 
@@ -260,8 +270,17 @@ impl World {
             schedulers,
             silenced: Arc::new(Mutex::new(HashSet::new())),
             dra,
+            mix: Mix::Trace,
+            seed: 0,
             meter: Mutex::new(None),
         }
+    }
+
+    /// The mix the run's pods are shaped by, drawn from `seed`.
+    fn with_mix(mut self, mix: Mix, seed: u64) -> World {
+        self.mix = mix;
+        self.seed = seed;
+        self
     }
 
     /// A watch event about one of the run's pods.
@@ -484,6 +503,7 @@ impl Rec {
         Rec {
             phase,
             size,
+            shape: Shape::default(),
             t0: Instant::now(),
             t1: None,
             node: None,
@@ -510,8 +530,14 @@ async fn create_one(
     size: Size,
     lifetime: Option<Duration>,
 ) {
+    // The fault phase's pods may land on the real nodes too: the mix is not theirs.
+    let shape = if phase == FAULTS {
+        Shape::default()
+    } else {
+        Shape::of(world.mix, world.seed, &name, size)
+    };
     let built = if world.dra {
-        k8s::claim_pod(&name, &world.run, PHASES[phase], size)
+        k8s::claim_pod(&name, &world.run, PHASES[phase], size, shape)
     } else if phase == FAULTS {
         // Pods name the schedulers in turn, by the number in their name.
         let n: usize = name.rsplit('-').next().and_then(|d| d.parse().ok()).unwrap_or(0);
@@ -528,7 +554,7 @@ async fn create_one(
             scheduler,
         )
     } else {
-        k8s::pod(&name, &world.run, PHASES[phase], size)
+        k8s::pod(&name, &world.run, PHASES[phase], size, shape)
     };
     let object = match built {
         Ok(o) => o,
@@ -537,11 +563,13 @@ async fn create_one(
             return;
         }
     };
-    lock(&world.pods).insert(name.clone(), Rec::new(phase, size, lifetime));
+    let mut rec = Rec::new(phase, size, lifetime);
+    rec.shape = shape;
+    lock(&world.pods).insert(name.clone(), rec);
     let counters = &world.counters[phase];
     if world.dra {
         let claims: Api<ResourceClaim> = Api::namespaced(pods.clone().into_client(), &world.namespace);
-        let made = match k8s::claim(&name, &world.run, PHASES[phase], size) {
+        let made = match k8s::claim(&name, &world.run, PHASES[phase], size, shape) {
             Ok(claim) => claims
                 .create(&PostParams::default(), &claim)
                 .await
@@ -677,6 +705,66 @@ pub struct PhaseSummary {
     pub bound_per_second: Vec<u64>,
     pub processes: Vec<ProcessUse>,
     pub nodes_ready_at_end: usize,
+    /// The realistic mix: what the phase's pods asked beyond their size.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub shapes: Option<ShapeCounts>,
+    /// The DRA path: who allocated the claims of the phase's bound pods.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub placed_by_gpumem: Option<PlacedBy>,
+}
+
+/// How many of a phase's pods asked each thing the realistic mix adds.
+#[derive(Serialize, Debug, Clone, PartialEq, Eq)]
+pub struct ShapeCounts {
+    /// A zone by node selector.
+    pub zone_selector: usize,
+    /// A GPU model, by kind (`t4`, `40gi+`).
+    pub model: BTreeMap<String, usize>,
+    /// The reserved nodes' taint tolerated (the multi-GPU pods).
+    pub tolerate_reserved: usize,
+}
+
+/// Who allocated the claims of a phase's bound pods (their `managedFields`).
+#[derive(Serialize, Debug, Clone, PartialEq)]
+pub struct PlacedBy {
+    /// The phase's bound pods (bound before it ended).
+    pub bound: usize,
+    /// Of those, claims allocated by gpumem's placer.
+    pub gpumem: usize,
+    /// Claims allocated by kube-scheduler.
+    pub kube_scheduler: usize,
+    /// Claims allocated by neither, or not found.
+    pub neither: usize,
+    /// `gpumem` / `bound`.
+    pub fraction: f64,
+}
+
+/// [`PlacedBy`] of `phase`'s bound pods, each claim named after its pod.
+fn placed_by(world: &World, phase: usize, allocators: &HashMap<String, Allocator>) -> PlacedBy {
+    let pods = lock(&world.pods);
+    let (mut bound, mut gpumem, mut kube_scheduler) = (0, 0, 0);
+    for (name, _) in pods
+        .iter()
+        .filter(|(_, r)| r.phase == phase && r.t1.is_some() && !r.late)
+    {
+        bound += 1;
+        match allocators.get(name) {
+            Some(Allocator::Gpumem) => gpumem += 1,
+            Some(Allocator::KubeScheduler) => kube_scheduler += 1,
+            Some(Allocator::Neither) | None => {}
+        }
+    }
+    PlacedBy {
+        bound,
+        gpumem,
+        kube_scheduler,
+        neither: bound - gpumem - kube_scheduler,
+        fraction: if bound == 0 {
+            0.0
+        } else {
+            gpumem as f64 / bound as f64
+        },
+    }
 }
 
 /// The saturation phase: trace pods offered until `--saturate` of them waited unplaced at once.
@@ -691,11 +779,23 @@ pub struct Saturation {
     pub unallocated_pct: f64,
 }
 
+/// The realistic mix's nodes.
+#[derive(Serialize, Debug)]
+pub struct MixNodes {
+    pub by_zone: BTreeMap<String, usize>,
+    /// Nodes with the reserved taint.
+    pub reserved: usize,
+}
+
 #[derive(Serialize, Debug)]
 pub struct Summary {
     pub mode: Mode,
+    pub mix: Mix,
     pub nodes: usize,
     pub node_profiles: BTreeMap<String, usize>,
+    /// The realistic mix: zones and reserved nodes.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub mix_nodes: Option<MixNodes>,
     pub trace: String,
     pub trace_gpu_pods: usize,
     pub trace_cpu_only_pods_left_out: usize,
@@ -772,6 +872,17 @@ fn summarize(
     };
     let misfits = recs.iter().filter(|r| r.misfit).count();
     let created = c.created.load(Ordering::Relaxed);
+    let shapes = (world.mix == Mix::Realistic).then(|| ShapeCounts {
+        zone_selector: recs.iter().filter(|r| r.shape.zone.is_some()).count(),
+        model: Model::ALL
+            .into_iter()
+            .map(|m| {
+                let n = recs.iter().filter(|r| r.shape.model == Some(m)).count();
+                (m.as_str().to_string(), n)
+            })
+            .collect(),
+        tolerate_reserved: recs.iter().filter(|r| r.shape.tolerate_reserved).count(),
+    });
     PhaseSummary {
         phase: PHASES[phase].to_string(),
         pods: recs.len(),
@@ -802,6 +913,8 @@ fn summarize(
         bound_per_second: stats::per_second(&offsets),
         processes,
         nodes_ready_at_end: nodes_ready,
+        shapes,
+        placed_by_gpumem: None,
     }
 }
 
@@ -857,6 +970,28 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         .collect();
     assignment.shuffle(&mut rand_pcg::Pcg64Mcg::seed_from_u64(args.seed));
     let names: Vec<String> = (1..=args.nodes).map(k8s::node_name).collect();
+    let shapes = mix::node_shapes(args.mix, args.nodes, args.seed);
+    if args.mix == Mix::Realistic {
+        if !args.faults.faults.is_empty() {
+            bail!(
+                "--mix realistic is for the steady, burst, fill and saturation phases, not the fault phase"
+            );
+        }
+        let offered: Vec<&NodeModel> = models
+            .iter()
+            .zip(&counts)
+            .filter(|(_, n)| **n > 0)
+            .map(|(m, _)| m.as_ref())
+            .collect();
+        let missing = mix::unservable(&offered, args.mode.dra());
+        if !missing.is_empty() {
+            bail!(
+                "--mix realistic: pods choosing {:?} could never bind: no node of --profiles {:?} serves them",
+                missing.iter().map(|m| m.as_str()).collect::<Vec<_>>(),
+                args.profiles
+            );
+        }
+    }
 
     std::fs::create_dir_all(&args.out).with_context(|| format!("creating {}", args.out.display()))?;
     let client = Client::try_default()
@@ -870,28 +1005,32 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         .zip(&assignment)
         .map(|(n, &m)| (n.clone(), NodeBook::new(models[m].clone())))
         .collect();
-    let world = Arc::new(World::new(
-        run_id,
-        args.namespace.clone(),
-        books,
-        args.faults.real_nodes.clone(),
-        args.faults.fault_schedulers.clone(),
-        args.mode.dra(),
-    ));
+    let world = Arc::new(
+        World::new(
+            run_id,
+            args.namespace.clone(),
+            books,
+            args.faults.real_nodes.clone(),
+            args.faults.fault_schedulers.clone(),
+            args.mode.dra(),
+        )
+        .with_mix(args.mix, args.seed),
+    );
 
     tracing::info!(nodes = args.nodes, ?counts, "creating the scale nodes");
-    let pairs: Vec<(String, Arc<NodeModel>)> = names
+    let pairs: Vec<(String, Arc<NodeModel>, mix::NodeShape)> = names
         .iter()
         .zip(&assignment)
-        .map(|(n, &m)| (n.clone(), models[m].clone()))
+        .zip(&shapes)
+        .map(|((n, &m), &shape)| (n.clone(), models[m].clone(), shape))
         .collect();
     let created = AtomicU64::new(0);
     let dra = args.mode.dra();
-    k8s::for_each_limited(pairs, 16, |(name, model)| {
+    k8s::for_each_limited(pairs, 16, |(name, model, shape)| {
         let client = client.clone();
         let created = &created;
         async move {
-            k8s::create_node(&client, &name, &model, dra).await?;
+            k8s::create_node(&client, &name, &model, shape, dra).await?;
             let n = created.fetch_add(1, Ordering::Relaxed) + 1;
             if n.is_multiple_of(100) {
                 eprintln!("[{:>6.1}s] nodes created: {n}", started.elapsed().as_secs_f64());
@@ -1097,10 +1236,19 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         .zip(&counts)
         .map(|((n, _), &c)| (n.clone(), c))
         .collect();
+    let mix_nodes = (args.mix == Mix::Realistic).then(|| MixNodes {
+        by_zone: shapes.iter().fold(BTreeMap::new(), |mut m, s| {
+            *m.entry(s.zone.unwrap_or("").to_string()).or_default() += 1;
+            m
+        }),
+        reserved: shapes.iter().filter(|s| s.reserved).count(),
+    });
     let summary = Summary {
         mode: args.mode,
+        mix: args.mix,
         nodes: args.nodes,
         node_profiles,
+        mix_nodes,
         trace: args.trace.display().to_string(),
         trace_gpu_pods: trace_pods.sizes.len(),
         trace_cpu_only_pods_left_out: trace_pods.cpu_only,
@@ -1175,8 +1323,20 @@ impl Phases<'_> {
         let ready = k8s::ready_nodes(self.client).await?;
         self.ready_log.push((self.started.elapsed().as_secs_f64(), ready));
         let wall = t.elapsed().as_secs_f64();
-        self.done
-            .push(summarize(self.world, phase, wall, Some(creation), procs, ready));
+        let mut summary = summarize(self.world, phase, wall, Some(creation), procs, ready);
+        if self.world.dra {
+            // Read once the phase's pods are bound, before they are deleted.
+            let selector = format!("{RUN_LABEL}={},{PHASE_LABEL}={}", self.world.run, PHASES[phase]);
+            match k8s::claim_allocators(self.client, &self.world.namespace, &selector).await {
+                Ok(allocators) => {
+                    summary.placed_by_gpumem = Some(placed_by(self.world, phase, &allocators));
+                }
+                Err(err) => {
+                    tracing::warn!(error = %format!("{err:#}"), "cannot read who allocated the claims")
+                }
+            }
+        }
+        self.done.push(summary);
         self.world.closed[phase].store(true, Ordering::Relaxed);
         Ok(())
     }
@@ -1219,6 +1379,8 @@ fn write_pods_csv(world: &World, path: &std::path::Path) -> anyhow::Result<()> {
         "misfit",
         "followed_scorer",
         "bound_after_phase",
+        "zone",
+        "model",
         "error",
     ])?;
     for (name, r) in rows {
@@ -1237,6 +1399,8 @@ fn write_pods_csv(world: &World, path: &std::path::Path) -> anyhow::Result<()> {
             r.misfit.to_string(),
             r.followed.to_string(),
             r.late.to_string(),
+            r.shape.zone.unwrap_or("").to_string(),
+            r.shape.model.map_or("", Model::as_str).to_string(),
             r.error.clone().unwrap_or_default(),
         ])?;
     }
@@ -1249,8 +1413,9 @@ pub fn render(s: &Summary) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "gpumem-scale: mode {}, {} nodes {:?}; trace {} ({} GPU pods sampled, {} CPU-only pods left out)",
+        "gpumem-scale: mode {}, mix {}, {} nodes {:?}; trace {} ({} GPU pods sampled, {} CPU-only pods left out)",
         s.mode.as_str(),
+        s.mix.as_str(),
         s.nodes,
         s.node_profiles,
         s.trace,
@@ -1258,6 +1423,18 @@ pub fn render(s: &Summary) -> String {
         s.trace_cpu_only_pods_left_out
     );
     let _ = writeln!(out, "mapping: {}", s.mapping);
+    if let Some(m) = &s.mix_nodes {
+        let _ = writeln!(
+            out,
+            "realistic mix: nodes by zone {:?}, {} reserved ({}={}:NoSchedule), every node {}={}:NoSchedule",
+            m.by_zone,
+            m.reserved,
+            mix::RESERVED_TAINT.0,
+            mix::RESERVED_TAINT.1,
+            mix::GPU_TAINT.0,
+            mix::GPU_TAINT.1
+        );
+    }
     let f = |x: Option<f64>| x.map_or("-".to_string(), |v| format!("{v:.1}"));
     for p in &s.phases {
         let _ = writeln!(
@@ -1289,6 +1466,24 @@ pub fn render(s: &Summary) -> String {
         }
         for (k, l) in &p.latency_by_kind {
             lat(k, l);
+        }
+        if let Some(c) = &p.shapes {
+            let _ = writeln!(
+                out,
+                "  mix: {} with a zone selector, models {:?}, {} tolerating the reserved nodes",
+                c.zone_selector, c.model, c.tolerate_reserved
+            );
+        }
+        if let Some(b) = &p.placed_by_gpumem {
+            let _ = writeln!(
+                out,
+                "  claims allocated by gpumem {} of {} bound ({:.1}%), by kube-scheduler {}, by neither {}",
+                b.gpumem,
+                b.bound,
+                100.0 * b.fraction,
+                b.kube_scheduler,
+                b.neither
+            );
         }
         for u in &p.processes {
             let _ = writeln!(
@@ -1366,6 +1561,150 @@ mod tests {
             bind(&world, "p6", "n1"),
             "so is p5's, gone by a delete answered 404"
         );
+    }
+
+    /// A record of `phase`, bound unless `bound` is false, `late` if bound after the phase ended.
+    fn rec(phase: usize, size: Size, shape: Shape, bound: bool, late: bool) -> Rec {
+        let mut r = Rec::new(phase, size, None);
+        r.shape = shape;
+        r.t1 = bound.then(Instant::now);
+        r.late = late;
+        r
+    }
+
+    fn summary_of(world: &World, mix: Mix, phases: Vec<PhaseSummary>) -> Summary {
+        Summary {
+            mode: Mode::DraGpumem,
+            mix,
+            nodes: 3,
+            node_profiles: BTreeMap::new(),
+            mix_nodes: (mix == Mix::Realistic).then(|| MixNodes {
+                by_zone: BTreeMap::from([("zone-a".to_string(), 3)]),
+                reserved: 1,
+            }),
+            trace: "t.csv".into(),
+            trace_gpu_pods: 1,
+            trace_cpu_only_pods_left_out: 0,
+            mapping: String::new(),
+            seed: world.seed,
+            rate: 1.0,
+            duration_s: 1.0,
+            burst: 0,
+            concurrency: 1,
+            fill: 0,
+            fill_mib: 0,
+            saturation: None,
+            setup_s: 0.0,
+            phases,
+            deletes_s: BTreeMap::new(),
+            usage_writes: 0,
+            usage_write_errors: 0,
+            nodes_ready: Vec::new(),
+            lease_renewal_failures: 0,
+            node_status_reposted: 0,
+            faults: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn placed_by_gpumem_counts_the_phases_bound_claim_pods() {
+        let world = World::new(
+            "r".into(),
+            "ns".into(),
+            HashMap::new(),
+            Vec::new(),
+            Vec::new(),
+            true,
+        )
+        .with_mix(Mix::Realistic, 1);
+        let share = Size::Share { mib: 1000 };
+        let t4 = Shape {
+            zone: Some("zone-a"),
+            model: Some(Model::T4),
+            tolerate_gpu: true,
+            tolerate_reserved: false,
+        };
+        let multi = Shape {
+            tolerate_reserved: true,
+            tolerate_gpu: true,
+            ..Shape::default()
+        };
+        {
+            let mut pods = lock(&world.pods);
+            pods.insert("a".into(), rec(0, share, t4, true, false));
+            pods.insert("b".into(), rec(0, Size::Whole { count: 2 }, multi, true, false));
+            pods.insert("c".into(), rec(0, share, Shape::default(), true, false));
+            pods.insert("d".into(), rec(0, share, Shape::default(), false, false));
+            pods.insert("e".into(), rec(0, share, Shape::default(), true, true));
+            pods.insert("f".into(), rec(1, share, Shape::default(), true, false));
+        }
+        // c's claim was not found; d is not bound, e bound after its phase, f another phase's.
+        let allocators = HashMap::from([
+            ("a".to_string(), Allocator::Gpumem),
+            ("b".to_string(), Allocator::KubeScheduler),
+            ("d".to_string(), Allocator::Gpumem),
+            ("e".to_string(), Allocator::Gpumem),
+            ("f".to_string(), Allocator::Gpumem),
+        ]);
+        let by = placed_by(&world, 0, &allocators);
+        assert_eq!(
+            by,
+            PlacedBy {
+                bound: 3,
+                gpumem: 1,
+                kube_scheduler: 1,
+                neither: 1,
+                fraction: 1.0 / 3.0
+            }
+        );
+        let mut phase = summarize(&world, 0, 1.0, None, Vec::new(), 3);
+        let shapes = phase.shapes.clone().unwrap();
+        assert_eq!(
+            (
+                shapes.zone_selector,
+                shapes.model["t4"],
+                shapes.model["40gi+"],
+                shapes.tolerate_reserved
+            ),
+            (1, 1, 0, 1)
+        );
+        phase.placed_by_gpumem = Some(by);
+        let summary = summary_of(&world, Mix::Realistic, vec![phase]);
+        let text = render(&summary);
+        assert!(text.contains("mode dra-gpumem, mix realistic,"), "{text}");
+        assert!(
+            text.contains(
+                "claims allocated by gpumem 1 of 3 bound (33.3%), by kube-scheduler 1, by neither 1"
+            ),
+            "{text}"
+        );
+        assert!(text.contains("1 with a zone selector"), "{text}");
+        let json = serde_json::to_value(&summary).unwrap();
+        assert_eq!(json["mix"], "realistic");
+        assert_eq!(json["mix_nodes"]["reserved"], 1);
+        assert_eq!(json["phases"][0]["placed_by_gpumem"]["gpumem"], 1);
+        assert_eq!(json["phases"][0]["shapes"]["model"]["t4"], 1);
+    }
+
+    #[test]
+    fn a_trace_run_summarizes_as_before() {
+        let world = world_with("n1", "t4x4");
+        assert!(bind(&world, "p0", "n1"));
+        let phase = summarize(&world, FAULTS, 1.0, None, Vec::new(), 1);
+        assert_eq!(
+            (
+                phase.shapes.as_ref(),
+                phase.placed,
+                phase.placed_by_gpumem.as_ref()
+            ),
+            (None, 1, None)
+        );
+        let json = serde_json::to_value(summary_of(&world, Mix::Trace, vec![phase])).unwrap();
+        assert_eq!(json["mix"], "trace");
+        assert!(json.get("mix_nodes").is_none());
+        for absent in ["shapes", "placed_by_gpumem"] {
+            assert!(json["phases"][0].get(absent).is_none(), "{absent}");
+        }
     }
 
     #[test]
