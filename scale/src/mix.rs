@@ -239,14 +239,9 @@ impl Shape {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use gpumem::gpu::GpuInventory;
-    use gpumem_profile::Profile;
 
     fn model(name: &str) -> NodeModel {
-        NodeModel::new(
-            name,
-            GpuInventory::discover(&Profile::load(name).unwrap()).unwrap(),
-        )
+        NodeModel::of_profile(name)
     }
 
     #[test]

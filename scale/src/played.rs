@@ -32,6 +32,13 @@ pub struct NodeModel {
 }
 
 impl NodeModel {
+    /// The model of a built-in profile (tests).
+    #[cfg(test)]
+    pub fn of_profile(name: &str) -> Self {
+        let profile = gpumem_profile::Profile::load(name).expect("a built-in profile");
+        Self::new(name, GpuInventory::discover(&profile).expect("its inventory"))
+    }
+
     pub fn new(profile: &str, inventory: GpuInventory) -> Self {
         let scores = PairScores::of(&inventory);
         let by_uuid = inventory.positions_by_uuid();
