@@ -8,7 +8,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use gpumem::node::ROOM_FREED_LABEL as ROOM_FREED;
-use gpumem::plugin::proto::podresources::ContainerDevices;
+use gpumem::plugin::proto::podresources::{ContainerDevices, ContainerResources, PodResources};
 use gpumem::plugin::proto::v1beta1::Device;
 use support::agent::{Node, free_port, http_get};
 use support::apiserver::{FakeApiServer, Recorded, metadata_maps, pod_with_choice};
@@ -806,6 +806,160 @@ async fn a_kubelet_that_lists_every_unit_is_reported_on_the_node() {
         }
         api.assert_all_granted();
     }
+}
+
+const SHARE: &str = "gpumem.io/gpu-share";
+
+/// A pod bound to node-a whose containers ask these MiB of memory (and the share the chart's admission
+/// policy adds to each), with the scorer's GPU choice.
+fn pod_with_shares(name: &str, containers: &[(&str, &str)], gpu_uuid: &str) -> serde_json::Value {
+    let containers: Vec<serde_json::Value> = containers
+        .iter()
+        .map(|(c, mib)| serde_json::json!({"name": c, "image": "x", "resources": {"limits": {MEM: mib, SHARE: "1"}}}))
+        .collect();
+    serde_json::json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {
+            "name": name, "namespace": "team", "uid": format!("uid-{name}"),
+            "annotations": {"gpumem.io/assigned-gpus": gpu_uuid, "gpumem.io/assigned-at": "2026-12-06T01:00:00Z"},
+        },
+        "spec": {"nodeName": "node-a", "containers": containers},
+        "status": {"phase": "Pending"},
+    })
+}
+
+/// What the kubelet's PodResources shows of a pod it is admitting: in its pod manager, its containers
+/// without devices until each is allocated.
+fn admitting(name: &str, containers: &[&str]) -> PodResources {
+    PodResources {
+        name: name.into(),
+        namespace: "team".into(),
+        containers: containers
+            .iter()
+            .map(|c| ContainerResources {
+                name: c.to_string(),
+                ..Default::default()
+            })
+            .collect(),
+    }
+}
+
+fn usage_of(api: &FakeApiServer) -> Option<gpumem::node::UsageAnnotation> {
+    let node = api.node("node-a")?;
+    let text = node["metadata"]["annotations"]["gpumem.io/gpu-usage"].as_str()?;
+    gpumem::node::UsageAnnotation::parse(text).ok()
+}
+
+/// `memCounting: shares` (docs/operate.md): the Node carries the memory as a node-level resource the
+/// kubelet admits by, and each container asking memory holds one share device, sized from its pod.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_shares_the_node_counts_memory_and_each_container_holds_one_share_sized_from_its_pod() {
+    let mut node = Node::new().await;
+    let api = FakeApiServer::start(node.dir.path()).await;
+    api.set_node("node-a", &[]);
+    api.set_kubelet_version("node-a", "v1.36.2");
+    let args = ["--mem-counting", "shares", "--shares-per-gpu", "4"];
+    let agent = node.agent_with_api("t4x4", &api, &args);
+    let shares = node.kubelet.wait_devices(SHARE, WAIT, |d| d.len() == 16).await;
+    let gpus = node.kubelet.wait_devices(GPU, WAIT, |d| d.len() == 4).await;
+    assert!(
+        node.kubelet.registrations(MEM).is_empty(),
+        "memory is no device plugin resource"
+    );
+    api.wait_for("the Node's memory as capacity and allocatable", WAIT, |api| {
+        let status = &api.node("node-a")?["status"];
+        (status["capacity"][MEM] == "61440" && status["allocatable"][MEM] == "61440").then_some(())
+    })
+    .await;
+    let condition = api
+        .wait_for("the GpuMemUnitsInPodStatus condition", WAIT, |api| {
+            let node = api.node("node-a")?;
+            let conditions = node["status"]["conditions"].as_array()?.clone();
+            conditions
+                .into_iter()
+                .find(|c| c["type"] == "GpuMemUnitsInPodStatus")
+        })
+        .await;
+    assert_eq!(
+        (condition["status"].as_str(), condition["reason"].as_str()),
+        (Some("False"), Some("SharesCounted"))
+    );
+
+    // A pod of two containers, 5000 MiB (as the API server returns it: 5k) and 12000; the scorer chose GPU 2.
+    api.set_pods(vec![pod_with_shares(
+        "p",
+        &[("a", "5000"), ("b", "12000")],
+        &gpus[2].id,
+    )]);
+    node.pods.set_pods(vec![admitting("p", &["a", "b"])]);
+    let offer = ids(&shares, true);
+    let first = node
+        .kubelet
+        .preferred(SHARE, &refs(&offer), &[], 1)
+        .await
+        .unwrap();
+    assert_eq!(first, ["2-s0"], "the scorer's GPU, its first slot");
+    let answer = node.kubelet.allocate(SHARE, &refs(&first)).await.unwrap();
+    assert_eq!(answer.envs["GPUMEM_LIMIT_MIB"], "5000");
+    assert_eq!(answer.envs["NVIDIA_VISIBLE_DEVICES"], gpus[2].id);
+    node.pods.add_container("team", "p", "a", SHARE, &["2-s0"]);
+    // Container b: 12000 MiB no longer fits GPU 2 (10,360 left): best fit elsewhere.
+    let offer: Vec<String> = offer.into_iter().filter(|id| id != "2-s0").collect();
+    let second = node
+        .kubelet
+        .preferred(SHARE, &refs(&offer), &[], 1)
+        .await
+        .unwrap();
+    assert_eq!(second, ["0-s0"]);
+    let answer = node.kubelet.allocate(SHARE, &refs(&second)).await.unwrap();
+    assert_eq!(answer.envs["GPUMEM_LIMIT_MIB"], "12000");
+    assert_eq!(answer.envs["NVIDIA_VISIBLE_DEVICES"], gpus[0].id);
+    node.pods.add_container("team", "p", "b", SHARE, &["0-s0"]);
+    // A share the GPU has no room for is refused with the numbers.
+    api.set_pods(vec![
+        pod_with_shares("p", &[("a", "5000"), ("b", "12000")], &gpus[2].id),
+        pod_with_shares("big", &[("main", "11000")], &gpus[2].id),
+    ]);
+    let mut listed = node.pods.pods();
+    listed.push(admitting("big", &["main"]));
+    node.pods.set_pods(listed);
+    let refused = node.kubelet.allocate(SHARE, &["2-s1"]).await.unwrap_err();
+    assert!(
+        refused.message().contains("10360 MiB free")
+            && refused.message().contains("team/big (main) asks 11000 MiB"),
+        "{}",
+        refused.message()
+    );
+    // Whole and shared exclude each other: GPUs 0 and 2 are not offered whole.
+    let whole = node
+        .kubelet
+        .wait_devices(GPU, WAIT, |d| ids(d, true).len() == 2)
+        .await;
+    assert_eq!(ids(&whole, true), [gpus[1].id.clone(), gpus[3].id.clone()]);
+    let usage = api
+        .wait_for("the usage of both shares", WAIT, |api| {
+            usage_of(api).filter(|u| u.gpus[0].allocated_mib == 12000 && u.gpus[2].allocated_mib == 5000)
+        })
+        .await;
+    assert_eq!(usage.gpus[2].pods, ["team/p"]);
+
+    // An agent restart learns each listed share's size from its pod, not counting GPU 2 whole.
+    node.pods
+        .set_pods(node.pods.pods().into_iter().filter(|p| p.name == "p").collect());
+    drop(agent);
+    let _agent = node.agent_with_api("t4x4", &api, &args);
+    api.wait_for("the shares' sizes after the restart", WAIT, |api| {
+        usage_of(api).filter(|u| u.gpus[0].allocated_mib == 12000 && u.gpus[2].allocated_mib == 5000)
+    })
+    .await;
+    // A sick GPU leaves the Node's memory.
+    node.inject.push_xid(1, 48);
+    api.wait_for("the Node's memory less GPU 1", WAIT, |api| {
+        let status = &api.node("node-a")?["status"];
+        (status["capacity"][MEM] == "46080" && status["allocatable"][MEM] == "46080").then_some(())
+    })
+    .await;
+    api.assert_all_granted();
 }
 
 fn metric(text: &str, series: &str) -> Option<f64> {

@@ -38,6 +38,8 @@ const MAX_BACKOFF: Duration = Duration::from_secs(30);
 /// Between writing annotations that show more room and changing [`ROOM_FREED_LABEL`]: the scorers' node
 /// caches (watches of the same Node) see the room before kube-scheduler, woken by the label, asks them.
 const ROOM_LABEL_DELAY: Duration = Duration::from_millis(300);
+/// How often the Node's memory capacity is checked (`memCounting: shares`).
+const CAPACITY_CHECK: Duration = Duration::from_secs(30);
 /// An API call made while a pod is being admitted may take this long.
 const LOOKUP_TIMEOUT: Duration = Duration::from_secs(1);
 
@@ -112,6 +114,93 @@ impl ApiServer {
             .await
         {
             tracing::warn!(error = %err, condition = type_, "cannot set a condition on the Node");
+        }
+    }
+
+    /// `memCounting: shares`: keeps the Node's memory resource (capacity and allocatable, as the kubelet
+    /// makes a patched extended resource's allocatable its capacity) at the healthy GPUs' units. The
+    /// kubelet admits by it; it keeps a value written so, and zeroes it only when the node is
+    /// registered anew, which the check every [`CAPACITY_CHECK`] mends.
+    pub async fn publish_capacity(self: Arc<Self>, state: Arc<NodeState>) {
+        let resource = state.mem_resource.clone();
+        let mut changes = state.subscribe();
+        let mut written: Option<u64> = None;
+        let mut check = true;
+        let mut backoff = Duration::from_secs(1);
+        loop {
+            let want = state.healthy_units();
+            if check || written != Some(want) {
+                match self.write_capacity(&resource, want).await {
+                    Ok(changed) => {
+                        if changed {
+                            tracing::info!(%resource, units = want, "the Node's capacity set");
+                        }
+                        written = Some(want);
+                        check = false;
+                        backoff = Duration::from_secs(1);
+                    }
+                    Err(err) => {
+                        tracing::warn!(error = %format!("{err:#}"), %resource, retry_in = ?backoff, "cannot set the Node's capacity");
+                        tokio::time::sleep(backoff).await;
+                        backoff = (backoff * 2).min(MAX_BACKOFF);
+                        continue;
+                    }
+                }
+            }
+            tokio::select! {
+                changed = changes.changed() => if changed.is_err() { return },
+                () = tokio::time::sleep(CAPACITY_CHECK) => check = true,
+            }
+        }
+    }
+
+    /// Sets `resource` to `units` in the Node's capacity and allocatable unless both say so already;
+    /// whether it wrote.
+    async fn write_capacity(&self, resource: &str, units: u64) -> anyhow::Result<bool> {
+        let nodes = Api::<Node>::all(self.client.clone());
+        let node = nodes.get(&self.node).await?;
+        let status = node.status.unwrap_or_default();
+        let says =
+            |list: Option<&BTreeMap<String, k8s_openapi::apimachinery::pkg::api::resource::Quantity>>| {
+                list.and_then(|l| l.get(resource))
+                    .and_then(|q| Quantity::parse(&q.0).and_then(|q| q.whole()).ok())
+            };
+        if says(status.capacity.as_ref()) == Some(units) && says(status.allocatable.as_ref()) == Some(units) {
+            return Ok(false);
+        }
+        let patch = serde_json::json!({ "status": {
+            "capacity": { resource: units.to_string() },
+            "allocatable": { resource: units.to_string() },
+        }});
+        nodes
+            .patch_status(&self.node, &PatchParams::default(), &Patch::Merge(&patch))
+            .await?;
+        Ok(true)
+    }
+
+    /// `memCounting: shares`: learns the size of the shares the kubelet lists that this agent did not
+    /// allocate (after its restart) from their pods' specs, every `every`.
+    pub async fn size_shares(self: Arc<Self>, state: Arc<NodeState>, every: Duration) {
+        loop {
+            let unknown = state.unsized_shares();
+            if !unknown.is_empty() {
+                match self.pods_on_node().await {
+                    Ok(pods) => {
+                        for (id, owner, container) in unknown {
+                            match super::share::asked_units(&pods, &owner, &container, &state.mem_resource) {
+                                Some(units) => state.size_share(&id, &owner, &container, units),
+                                None => {
+                                    tracing::debug!(%id, %owner, %container, "a share's pod does not say its size yet")
+                                }
+                            }
+                        }
+                    }
+                    Err(err) => {
+                        tracing::debug!(error = %format!("{err:#}"), "shares of unknown size stay counted whole")
+                    }
+                }
+            }
+            tokio::time::sleep(every).await;
         }
     }
 
@@ -287,21 +376,28 @@ impl ApiServer {
         }
     }
 
+    /// The pods bound to this node.
+    pub async fn pods_on_node(&self) -> anyhow::Result<Vec<Pod>> {
+        let pods: Api<Pod> = Api::all(self.client.clone());
+        let params = ListParams::default().fields(&format!("spec.nodeName={}", self.node));
+        match tokio::time::timeout(LOOKUP_TIMEOUT, pods.list(&params)).await {
+            Ok(Ok(list)) => Ok(list.items),
+            Ok(Err(err)) => Err(anyhow::Error::new(err).context("cannot list this node's pods")),
+            Err(_) => anyhow::bail!("listing this node's pods took longer than {LOOKUP_TIMEOUT:?}"),
+        }
+    }
+
     /// The GPU the scorer chose for a pod on this node that asks for `units` of memory in one
     /// container and has none allocated yet (oldest choice first).
     pub async fn assigned_gpu(&self, resource: &str, units: u64, state: &NodeState) -> Option<String> {
-        let pods: Api<Pod> = Api::all(self.client.clone());
-        let params = ListParams::default().fields(&format!("spec.nodeName={}", self.node));
-        let list = match tokio::time::timeout(LOOKUP_TIMEOUT, pods.list(&params)).await {
-            Ok(Ok(list)) => list,
-            Ok(Err(err)) => {
-                tracing::debug!(error = %err, "cannot list this node's pods; choosing the GPU locally");
+        let pods = match self.pods_on_node().await {
+            Ok(pods) => pods,
+            Err(err) => {
+                tracing::debug!(error = %format!("{err:#}"), "choosing the GPU locally");
                 return None;
             }
-            Err(_) => return None,
         };
-        let mut candidates: Vec<(String, String)> = list
-            .items
+        let mut candidates: Vec<(String, String)> = pods
             .iter()
             .filter_map(|pod| {
                 let meta = &pod.metadata;
@@ -340,7 +436,10 @@ fn unix_millis() -> u128 {
 
 /// The whole number of `resource` units a container asks for (limits, as for any extended resource),
 /// in any form the API server writes it (`5000` comes back as `5k`).
-fn container_units(container: &k8s_openapi::api::core::v1::Container, resource: &str) -> Option<u64> {
+pub(super) fn container_units(
+    container: &k8s_openapi::api::core::v1::Container,
+    resource: &str,
+) -> Option<u64> {
     let resources = container.resources.as_ref()?;
     let limit = resources.limits.as_ref().and_then(|m| m.get(resource));
     let quantity = limit.or_else(|| resources.requests.as_ref().and_then(|m| m.get(resource)))?;

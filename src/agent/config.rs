@@ -7,7 +7,7 @@ use anyhow::Context as _;
 use clap::{Args, ValueEnum};
 use serde::Deserialize;
 
-use crate::plugin::devices::{GPU_RESOURCE, MEM_RESOURCE};
+use crate::plugin::devices::{GPU_RESOURCE, MEM_RESOURCE, SHARE_RESOURCE};
 use crate::plugin::proto::{DEVICE_PLUGIN_DIR, POD_RESOURCES_SOCKET};
 
 /// How a container is told which GPU it got.
@@ -31,6 +31,19 @@ pub enum MemoryLimits {
     Enforce,
     /// Hand out memory without enforcement: a pod can use more than it asked for.
     Off,
+}
+
+/// How the kubelet counts `nvidia.com/gpu-mem` on the device-plugin path.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum MemCounting {
+    /// A device plugin with one device per memory unit: the kubelet hands out units (any kubelet;
+    /// a 1.36+ kubelet also lists every unit in the pod's status, docs/operate.md).
+    Units,
+    /// The agent writes the node's total into its Node's capacity and the kubelet admits by quantity;
+    /// each container asking memory also asks one `gpumem.io/gpu-share` device (the chart's admission
+    /// policy adds it), the one device the kubelet lists for it.
+    Shares,
 }
 
 /// How the node's GPUs reach the kubelet. A node serves them one way, never both: two paths handing
@@ -81,6 +94,10 @@ impl DraConfig {
 /// 68 video processor exception, 109 context switch timeout.
 pub const DEFAULT_IGNORED_XIDS: &[u64] = &[13, 31, 43, 45, 68, 109];
 
+/// More share slots than this per GPU would be containers of under a few hundred MiB each, less than a
+/// CUDA context takes; the kubelet lists each slot, so the bound also keeps its lists short.
+pub const MAX_SHARES_PER_GPU: u32 = 256;
+
 /// Everything the agent needs to know, after the file and the flags are merged.
 #[derive(Debug, Clone, PartialEq)]
 pub struct AgentConfig {
@@ -89,6 +106,11 @@ pub struct AgentConfig {
     pub mem_unit_mib: u64,
     pub gpu_resource: String,
     pub mem_resource: String,
+    pub mem_counting: MemCounting,
+    /// `memCounting: shares`: the device-plugin resource of share slots, and how many per GPU (the
+    /// most containers that can share one GPU).
+    pub share_resource: String,
+    pub shares_per_gpu: u32,
     pub device_plugin_dir: PathBuf,
     pub pod_resources_socket: PathBuf,
     pub pod_resources_poll: Duration,
@@ -122,6 +144,9 @@ impl Default for AgentConfig {
             mem_unit_mib: 1,
             gpu_resource: GPU_RESOURCE.into(),
             mem_resource: MEM_RESOURCE.into(),
+            mem_counting: MemCounting::Units,
+            share_resource: SHARE_RESOURCE.into(),
+            shares_per_gpu: 32,
             device_plugin_dir: DEVICE_PLUGIN_DIR.into(),
             pod_resources_socket: POD_RESOURCES_SOCKET.into(),
             pod_resources_poll: Duration::from_secs(1),
@@ -150,6 +175,8 @@ struct FileConfig {
     #[serde(rename = "memUnitMiB")]
     mem_unit_mib: Option<u64>,
     resource_names: Option<ResourceNames>,
+    mem_counting: Option<MemCounting>,
+    shares_per_gpu: Option<u32>,
     device_plugin_dir: Option<PathBuf>,
     pod_resources_socket: Option<PathBuf>,
     pod_resources_poll_millis: Option<u64>,
@@ -177,6 +204,7 @@ struct DraFile {
 struct ResourceNames {
     gpu: Option<String>,
     mem: Option<String>,
+    share: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -209,6 +237,13 @@ pub struct AgentArgs {
     /// Memory unit of nvidia.com/gpu-mem, in MiB [default: 1].
     #[arg(long)]
     pub mem_unit_mib: Option<u64>,
+    /// How the kubelet counts nvidia.com/gpu-mem: units (one device each) or shares (a node total,
+    /// and one gpumem.io/gpu-share device per container) [default: units].
+    #[arg(long, value_enum)]
+    pub mem_counting: Option<MemCounting>,
+    /// Share slots per GPU with --mem-counting shares: the most containers sharing one GPU [default: 32].
+    #[arg(long, value_name = "N")]
+    pub shares_per_gpu: Option<u32>,
     /// Directory of the kubelet's registration socket and the plugins' sockets
     /// [default: /var/lib/kubelet/device-plugins/].
     #[arg(long, value_name = "DIR")]
@@ -265,6 +300,8 @@ impl AgentConfig {
         set(&mut config.dra.plugin_dir, args.dra_plugin_dir.clone());
         set(&mut config.dra.cdi_dir, args.cdi_dir.clone());
         set(&mut config.mem_unit_mib, args.mem_unit_mib);
+        set(&mut config.mem_counting, args.mem_counting);
+        set(&mut config.shares_per_gpu, args.shares_per_gpu);
         set(&mut config.device_plugin_dir, args.device_plugin_dir.clone());
         set(
             &mut config.pod_resources_socket,
@@ -324,6 +361,9 @@ impl AgentConfig {
         if let Some(v) = names.mem {
             self.mem_resource = v;
         }
+        set(&mut self.share_resource, names.share);
+        set(&mut self.mem_counting, file.mem_counting);
+        set(&mut self.shares_per_gpu, file.shares_per_gpu);
         if let Some(v) = file.device_plugin_dir {
             self.device_plugin_dir = v;
         }
@@ -364,12 +404,20 @@ impl AgentConfig {
     fn validate(&self) -> anyhow::Result<()> {
         anyhow::ensure!(self.mem_unit_mib >= 1, "memUnitMiB must be at least 1");
         anyhow::ensure!(
-            self.gpu_resource != self.mem_resource,
-            "the two resource names must differ"
+            self.gpu_resource != self.mem_resource
+                && self.share_resource != self.gpu_resource
+                && self.share_resource != self.mem_resource,
+            "the resource names must differ"
+        );
+        anyhow::ensure!(
+            (1..=MAX_SHARES_PER_GPU).contains(&self.shares_per_gpu),
+            "sharesPerGpu must be between 1 and {MAX_SHARES_PER_GPU}, not {}",
+            self.shares_per_gpu
         );
         for (key, name) in [
             ("resourceNames.gpu", &self.gpu_resource),
             ("resourceNames.mem", &self.mem_resource),
+            ("resourceNames.share", &self.share_resource),
         ] {
             if let Err(why) = crate::names::check_extended_resource_name(name) {
                 anyhow::bail!("{key}: {name:?} is not a valid extended resource name: {why}");
@@ -463,6 +511,50 @@ mod tests {
         })
         .unwrap_err();
         assert!(err.to_string().contains("memUnitMiB"));
+    }
+
+    #[test]
+    fn shares_are_chosen_in_the_file_or_by_flag_and_bounded() {
+        let (_dir, path) =
+            write("memCounting: shares\nsharesPerGpu: 8\nresourceNames:\n  share: example.com/slot\n");
+        let config = AgentConfig::load(&AgentArgs {
+            config: Some(path.clone()),
+            ..Default::default()
+        })
+        .unwrap();
+        assert_eq!(config.mem_counting, MemCounting::Shares);
+        assert_eq!(
+            (config.shares_per_gpu, config.share_resource.as_str()),
+            (8, "example.com/slot")
+        );
+        let config = AgentConfig::load(&AgentArgs {
+            config: Some(path),
+            mem_counting: Some(MemCounting::Units),
+            ..Default::default()
+        })
+        .unwrap();
+        assert_eq!(config.mem_counting, MemCounting::Units, "the flag wins");
+        assert_eq!(AgentConfig::default().mem_counting, MemCounting::Units);
+        for bad in [0, MAX_SHARES_PER_GPU + 1] {
+            let err = AgentConfig::load(&AgentArgs {
+                shares_per_gpu: Some(bad),
+                ..Default::default()
+            })
+            .unwrap_err()
+            .to_string();
+            assert!(
+                err.contains("sharesPerGpu") && err.contains(&bad.to_string()),
+                "{err}"
+            );
+        }
+        let (_dir, path) = write("resourceNames:\n  share: nvidia.com/gpu-mem\n");
+        let err = AgentConfig::load(&AgentArgs {
+            config: Some(path),
+            ..Default::default()
+        })
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("must differ"), "{err}");
     }
 
     #[test]

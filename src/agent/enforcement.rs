@@ -90,6 +90,12 @@ impl Enforcement {
         format!("g{gpu_index}-c{claim_uid}")
     }
 
+    /// The name of the allocation share slot `slot` of GPU `gpu_index` holds (`memCounting: shares`):
+    /// the kubelet never hands one slot to two live containers.
+    pub fn share_allocation_name(gpu_index: u32, slot: u32) -> String {
+        format!("g{gpu_index}-s{slot}")
+    }
+
     /// The GPU index an allocation name carries.
     pub fn gpu_index_of(allocation: &str) -> Option<u32> {
         let (index, rest) = allocation.strip_prefix('g')?.split_once('-')?;

@@ -11,6 +11,7 @@ mod health;
 pub mod metrics;
 pub mod resource;
 pub mod restart;
+pub mod share;
 pub mod slice;
 pub mod state;
 
@@ -28,10 +29,10 @@ use crate::plugin::proto::KUBELET_MAX_RECV_BYTES;
 use crate::plugin::registration;
 use crate::plugin::server::Plugin;
 use apiserver::ApiServer;
-pub use config::{AgentArgs, AgentConfig, MemoryLimits, Mode};
+pub use config::{AgentArgs, AgentConfig, MemCounting, MemoryLimits, Mode};
 use enforcement::Enforcement;
 use resource::{NodeResource, ResourceKind};
-use state::{HealthPolicy, NodeState};
+use state::{HealthPolicy, NodeState, ShareSlots};
 
 /// How often prepared DRA claims are checked against the cluster's (adopted, or forgotten).
 const STALE_CLAIMS_EVERY: std::time::Duration = std::time::Duration::from_secs(60);
@@ -39,6 +40,7 @@ const STALE_CLAIMS_EVERY: std::time::Duration = std::time::Duration::from_secs(6
 /// Socket file names in the device-plugin directory.
 pub const GPU_SOCKET: &str = "gpumem-gpu.sock";
 pub const MEM_SOCKET: &str = "gpumem-gpu-mem.sock";
+pub const SHARE_SOCKET: &str = "gpumem-gpu-share.sock";
 
 pub fn run(args: &AgentArgs) -> anyhow::Result<()> {
     let config = AgentConfig::load(args)?;
@@ -70,7 +72,7 @@ async fn serve(config: AgentConfig) -> anyhow::Result<()> {
     for warning in gpus_below_one_unit(&inventory, config.mem_unit_mib, &config.mem_resource)? {
         tracing::warn!(mem_unit_mib = config.mem_unit_mib, "{warning}");
     }
-    let state = Arc::new(NodeState::new(
+    let mut state = NodeState::new(
         inventory,
         config.mem_unit_mib,
         config.gpu_resource.clone(),
@@ -79,7 +81,14 @@ async fn serve(config: AgentConfig) -> anyhow::Result<()> {
             ignored_xids: config.ignored_xids.clone(),
             quiet_period: config.health_quiet_period,
         },
-    ));
+    );
+    if config.mem_counting == MemCounting::Shares {
+        state = state.with_shares(ShareSlots {
+            resource: config.share_resource.clone(),
+            per_gpu: config.shares_per_gpu,
+        });
+    }
+    let state = Arc::new(state);
 
     // The first picture of what is in use comes before the first device list: after a restart the
     // agent must not offer what running pods hold.
@@ -219,6 +228,19 @@ async fn serve(config: AgentConfig) -> anyhow::Result<()> {
             ));
         }
         Mode::DevicePlugin => {
+            if config.mem_counting == MemCounting::Shares {
+                let Some(api_server) = &api_server else {
+                    anyhow::bail!(
+                        "memCounting shares needs the API server and --node-name (NODE_NAME): the agent \
+                         writes the node's {} and reads each share's size from its pod",
+                        config.mem_resource
+                    );
+                };
+                tokio::spawn(Arc::clone(api_server).publish_capacity(Arc::clone(&state)));
+                tokio::spawn(
+                    Arc::clone(api_server).size_shares(Arc::clone(&state), config.pod_resources_poll),
+                );
+            }
             if let (Some(api_server), Some(node)) = (&api_server, &config.node_name) {
                 // A slice left by the DRA path would offer the same GPUs twice.
                 if let Err(err) = slice::delete(api_server.client(), &config.dra.driver_name, node).await {
@@ -251,7 +273,7 @@ async fn serve(config: AgentConfig) -> anyhow::Result<()> {
     if let Some(api_server) = &api_server {
         let kubelet = node.as_ref().and_then(|n| n.status.as_ref()?.node_info.as_ref());
         let kubelet = kubelet.map_or("", |info| info.kubelet_version.as_str());
-        report_listed_units(api_server, &state, mode, kubelet).await;
+        report_listed_units(api_server, &state, mode, config.mem_counting, kubelet).await;
         // Published once the picture is whole: on the DRA path, after the prepared claims are back.
         tokio::spawn(Arc::clone(api_server).publish(Arc::clone(&state), Arc::clone(&fence)));
         if let Some(enforcement) = &enforcement
@@ -339,13 +361,28 @@ pub const LISTED_UNITS_CONDITION: &str = "GpuMemUnitsInPodStatus";
 /// every `nvidia.com/gpu-mem` unit a pod holds in the pod's status (`ResourceHealthStatus`, on by
 /// default from 1.36), and what that costs at this unit: pod objects of megabytes, and a kubelet that
 /// stalls after its restart, one lookup per unit against every unit held (docs/operate.md).
-async fn report_listed_units(api_server: &ApiServer, state: &NodeState, mode: Mode, kubelet: &str) {
+async fn report_listed_units(
+    api_server: &ApiServer,
+    state: &NodeState,
+    mode: Mode,
+    counting: MemCounting,
+    kubelet: &str,
+) {
     let cost = devices::listed_units_cost(&state.inventory, state.unit_mib, kubelet);
     let (status, reason, message) = match (mode, cost) {
         (Mode::Dra, _) => (
             false,
             "DraPath",
             "the node serves DRA: no device lists".to_string(),
+        ),
+        (_, _) if counting == MemCounting::Shares => (
+            false,
+            "SharesCounted",
+            format!(
+                "the kubelet counts {} per node and lists one {} device per container",
+                state.mem_resource,
+                state.shares.as_ref().map_or("", |s| s.resource.as_str())
+            ),
         ),
         (_, None) => (
             false,
@@ -426,7 +463,15 @@ async fn serve_device_plugins(
         shutdown_rx.clone(),
     ));
     let mem_bytes = devices::mem_list_bytes(&state.inventory, config.mem_unit_mib);
-    if mem_bytes > KUBELET_MAX_RECV_BYTES {
+    if config.mem_counting == MemCounting::Shares {
+        plugins.spawn(registration::run(
+            plugin(ResourceKind::Share),
+            config.device_plugin_dir.clone(),
+            SHARE_SOCKET.into(),
+            shutdown_rx.clone(),
+        ));
+        served.push(config.share_resource.clone());
+    } else if mem_bytes > KUBELET_MAX_RECV_BYTES {
         let fits = devices::smallest_fitting_unit(&state.inventory).map_or_else(
             || "no unit fits".to_string(),
             |u| format!("use memUnitMiB: {u} (--mem-unit-mib {u}) or larger"),

@@ -1,5 +1,6 @@
-//! One resource of the node as the kubelet's device plugin serves it: `nvidia.com/gpu` (whole GPUs)
-//! or `nvidia.com/gpu-mem` (memory units of one GPU). The agent's side of [`DeviceSource`]: every
+//! One resource of the node as the kubelet's device plugin serves it: `nvidia.com/gpu` (whole GPUs),
+//! `nvidia.com/gpu-mem` (memory units of one GPU) or, when the kubelet counts memory per node,
+//! `gpumem.io/gpu-share` (a container's share of one GPU, its size read from the pod, [`super::share`]). The agent's side of [`DeviceSource`]: every
 //! decision is the node state's; this file hands the kubelet what a container needs to use its GPU
 //! (which GPUs it sees, its memory limit, the shim's mounts).
 
@@ -13,6 +14,7 @@ use super::config::DeviceListStrategy;
 use super::enforcement::Enforcement;
 use super::metrics::AgentMetrics;
 use super::restart::Fence;
+use super::share::{self, Admitting};
 use super::state::NodeState;
 use crate::plugin::podresources::Refresh;
 use crate::plugin::proto::v1beta1::{CdiDevice, ContainerAllocateResponse, Device};
@@ -25,6 +27,8 @@ pub enum ResourceKind {
     Whole,
     /// `nvidia.com/gpu-mem`: memory units of one GPU.
     Memory,
+    /// `gpumem.io/gpu-share`: one container's share of one GPU (`memCounting: shares`).
+    Share,
 }
 
 /// Environment variable telling the container runtime (and CUDA) which GPUs the container sees.
@@ -50,6 +54,53 @@ pub struct NodeResource {
 }
 
 impl NodeResource {
+    /// The container the kubelet is giving a share now, and how much memory it asks.
+    async fn admitting(&self) -> Result<Admitting, RequestError> {
+        let Some(api_server) = &self.api_server else {
+            return Err(RequestError::Unavailable(format!(
+                "{}: the size of a share is in its pod's spec, and this agent has no API server",
+                self.resource()
+            )));
+        };
+        let list = self.refresher.list().await.map_err(|e| {
+            RequestError::Unavailable(format!("cannot tell which container a share is for: {e:#}"))
+        })?;
+        let pods = api_server.pods_on_node().await.map_err(|e| {
+            RequestError::Unavailable(format!("cannot tell which container a share is for: {e:#}"))
+        })?;
+        let shares = self.state.shares.as_ref().map_or("", |s| s.resource.as_str());
+        share::admitting(
+            &list,
+            &pods,
+            &self.state.pending_shares(),
+            shares,
+            &self.state.mem_resource,
+        )
+        .map_err(RequestError::Unavailable)
+    }
+
+    /// A container's environment and mounts for memory on GPU position `gpu`: which GPU it sees, its
+    /// limit, and the shim's accounting named `allocation`.
+    fn expose_memory(
+        &self,
+        response: &mut ContainerAllocateResponse,
+        gpu: usize,
+        limit_mib: u64,
+        allocation: &str,
+    ) -> Result<String, RequestError> {
+        let uuid = self.state.inventory.gpus[gpu].uuid.clone();
+        self.expose(response, std::slice::from_ref(&uuid));
+        response.envs.insert(LIMIT_ENV.into(), limit_mib.to_string());
+        if let Some(enforcement) = &self.enforcement {
+            let (mounts, envs) = enforcement
+                .container(allocation)
+                .map_err(|e| RequestError::Unavailable(format!("cannot set up the memory limit: {e:#}")))?;
+            response.mounts.extend(mounts);
+            response.envs.extend(envs);
+        }
+        Ok(uuid)
+    }
+
     /// Tells the container which GPUs it has, the way the configured strategy says.
     fn expose(&self, response: &mut ContainerAllocateResponse, uuids: &[String]) {
         match self.strategy {
@@ -80,6 +131,7 @@ impl DeviceSource for NodeResource {
         match self.kind {
             ResourceKind::Whole => &self.state.gpu_resource,
             ResourceKind::Memory => &self.state.mem_resource,
+            ResourceKind::Share => self.state.shares.as_ref().map_or("", |s| s.resource.as_str()),
         }
     }
 
@@ -87,6 +139,7 @@ impl DeviceSource for NodeResource {
         match self.kind {
             ResourceKind::Whole => self.state.gpu_devices(),
             ResourceKind::Memory => self.state.mem_devices(),
+            ResourceKind::Share => self.state.share_devices(),
         }
     }
 
@@ -95,7 +148,7 @@ impl DeviceSource for NodeResource {
     fn fingerprint(&self) -> Vec<bool> {
         match self.kind {
             ResourceKind::Whole => self.state.gpus_offered(),
-            ResourceKind::Memory => self.state.units_offered(),
+            ResourceKind::Memory | ResourceKind::Share => self.state.units_offered(),
         }
     }
 
@@ -124,6 +177,16 @@ impl DeviceSource for NodeResource {
                 self.state
                     .prefer_mem(available, must, size, scorer_choice.as_deref())
             }
+            ResourceKind::Share => {
+                let admitting = self.admitting().await?;
+                self.state.prefer_share(
+                    available,
+                    must,
+                    size,
+                    admitting.units,
+                    admitting.scorer_gpu.as_deref(),
+                )
+            }
         }
     }
 
@@ -145,19 +208,30 @@ impl DeviceSource for NodeResource {
             }
             ResourceKind::Memory => {
                 let (gpu, units) = self.state.allocate_mem(ids)?;
-                let uuid = self.state.inventory.gpus[gpu].uuid.clone();
                 let limit_mib = units.len() as u64 * self.state.unit_mib;
-                self.expose(&mut response, std::slice::from_ref(&uuid));
-                response.envs.insert(LIMIT_ENV.into(), limit_mib.to_string());
-                if let Some(enforcement) = &self.enforcement {
-                    let name = Enforcement::allocation_name(self.state.inventory.gpus[gpu].index, &units);
-                    let (mounts, envs) = enforcement.container(&name).map_err(|e| {
-                        RequestError::Unavailable(format!("cannot set up the memory limit: {e:#}"))
-                    })?;
-                    response.mounts.extend(mounts);
-                    response.envs.extend(envs);
-                }
+                let name = Enforcement::allocation_name(self.state.inventory.gpus[gpu].index, &units);
+                let uuid = self.expose_memory(&mut response, gpu, limit_mib, &name)?;
                 tracing::info!(resource = self.resource(), gpu = %uuid, limit_mib, "allocated GPU memory");
+            }
+            ResourceKind::Share => {
+                let admitting = self.admitting().await?;
+                let (gpu, slot) = self.state.allocate_share(
+                    ids,
+                    &admitting.owner,
+                    &admitting.container,
+                    admitting.units,
+                )?;
+                let limit_mib = admitting.units * self.state.unit_mib;
+                let name = Enforcement::share_allocation_name(self.state.inventory.gpus[gpu].index, slot);
+                let uuid = self.expose_memory(&mut response, gpu, limit_mib, &name)?;
+                tracing::info!(
+                    resource = self.resource(),
+                    pod = %admitting.owner,
+                    container = %admitting.container,
+                    gpu = %uuid,
+                    limit_mib,
+                    "allocated a share of GPU memory"
+                );
             }
         }
         Ok(response)

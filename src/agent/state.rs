@@ -43,12 +43,26 @@ struct GpuAllocation {
     units: BTreeMap<u64, String>,
     /// Memory held by prepared DRA claims: claim UID -> (owner, MiB).
     claimed: BTreeMap<String, (String, u64)>,
+    /// Share slots in use (`memCounting: shares`), by slot number.
+    shares: BTreeMap<u32, ShareHold>,
+}
+
+/// One container's share of a GPU when the kubelet counts memory per node.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct ShareHold {
+    /// `namespace/name`.
+    owner: String,
+    container: String,
+    /// The units its container asked; None until known (after an agent restart, until the pod's spec
+    /// is read), and counted as the whole GPU meanwhile: nothing more goes there on a guess.
+    units: Option<u64>,
 }
 
 #[derive(Debug, Clone)]
 enum PendingKind {
     Whole,
     Units(Vec<u64>),
+    Share { slot: u32, hold: ShareHold },
 }
 
 #[derive(Debug, Clone)]
@@ -58,16 +72,17 @@ struct Pending {
     at: Instant,
 }
 
-/// Whether a GPU is held whole, and how many of its memory units are in use.
+/// Whether a GPU is held whole, and how many of its memory units and share slots are in use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Occupancy {
     whole: bool,
     units: u64,
+    shares: u64,
 }
 
 impl Occupancy {
     fn shared(self) -> bool {
-        self.units > 0
+        self.units > 0 || self.shares > 0
     }
 }
 
@@ -79,6 +94,16 @@ struct Inner {
     pending: Vec<Pending>,
     /// Prepared DRA claims, by UID.
     claims: BTreeMap<String, PreparedClaim>,
+    /// The units each share slot's container asked, once known (at Allocate, or from its pod's spec):
+    /// (GPU position, slot) -> (owner, container, units). Kept while the slot is listed or pending.
+    share_units: BTreeMap<(usize, u32), (String, String, u64)>,
+}
+
+/// `memCounting: shares`: the device-plugin resource of share slots and how many each GPU has.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ShareSlots {
+    pub resource: String,
+    pub per_gpu: u32,
 }
 
 /// How much of one GPU a prepared DRA claim holds.
@@ -112,6 +137,8 @@ pub struct NodeState {
     pub unit_mib: u64,
     pub gpu_resource: String,
     pub mem_resource: String,
+    /// Present when the kubelet counts memory per node and each container holds one share slot.
+    pub shares: Option<ShareSlots>,
     health_policy: HealthPolicy,
     scores: PairScores,
     by_uuid: HashMap<String, usize>,
@@ -152,12 +179,14 @@ impl NodeState {
             listed_mem: BTreeSet::new(),
             pending: Vec::new(),
             claims: BTreeMap::new(),
+            share_units: BTreeMap::new(),
         };
         Self {
             inventory,
             unit_mib,
             gpu_resource,
             mem_resource,
+            shares: None,
             health_policy,
             scores,
             by_uuid,
@@ -166,6 +195,12 @@ impl NodeState {
             version: watch::channel(0).0,
             usage_version: watch::channel(0).0,
         }
+    }
+
+    /// Counts memory per container share (`memCounting: shares`) rather than per unit.
+    pub fn with_shares(mut self, slots: ShareSlots) -> Self {
+        self.shares = Some(slots);
+        self
     }
 
     fn lock(&self) -> MutexGuard<'_, Inner> {
@@ -188,12 +223,12 @@ impl NodeState {
         self.usage_version.subscribe()
     }
 
-    /// Whether the kubelet lists memory units held by pod `owner` (`namespace/name`).
+    /// Whether the kubelet lists memory (units or a share) held by pod `owner` (`namespace/name`).
     pub fn holds_memory(&self, owner: &str) -> bool {
         self.lock()
             .listed
             .iter()
-            .any(|a| a.units.values().any(|o| o == owner))
+            .any(|a| a.units.values().any(|o| o == owner) || a.shares.values().any(|h| h.owner == owner))
     }
 
     /// Follows changes of the device lists.
@@ -218,6 +253,9 @@ impl NodeState {
                         all[p.gpu].units.entry(u).or_insert_with(|| ALLOCATING_POD.into());
                     }
                 }
+                PendingKind::Share { slot, hold } => {
+                    all[p.gpu].shares.entry(*slot).or_insert_with(|| hold.clone());
+                }
             }
         }
         for (uid, claim) in &inner.claims {
@@ -235,20 +273,35 @@ impl NodeState {
         all
     }
 
+    /// The units a share counts for: what its container asked, or the whole GPU while that is unknown.
+    fn share_units(&self, gpu: usize, hold: &ShareHold) -> u64 {
+        hold.units.unwrap_or_else(|| self.units_of(gpu))
+    }
+
     /// Per GPU, what decisions and device lists depend on; cheap (no clone of the unit maps).
-    fn occupancy(inner: &Inner, unit_mib: u64) -> Vec<Occupancy> {
+    fn occupancy(&self, inner: &Inner) -> Vec<Occupancy> {
+        let unit_mib = self.unit_mib;
         let mut occ: Vec<Occupancy> = inner
             .listed
             .iter()
-            .map(|a| Occupancy {
+            .enumerate()
+            .map(|(gpu, a)| Occupancy {
                 whole: !a.whole.is_empty(),
-                units: a.units.len() as u64,
+                units: a.units.len() as u64
+                    + a.shares.values().map(|h| self.share_units(gpu, h)).sum::<u64>(),
+                shares: a.shares.len() as u64,
             })
             .collect();
         for p in &inner.pending {
             match &p.kind {
                 PendingKind::Whole => occ[p.gpu].whole = true,
                 PendingKind::Units(units) => occ[p.gpu].units += units.len() as u64,
+                PendingKind::Share { slot, hold } => {
+                    if !inner.listed[p.gpu].shares.contains_key(slot) {
+                        occ[p.gpu].units += self.share_units(p.gpu, hold);
+                        occ[p.gpu].shares += 1;
+                    }
+                }
             }
         }
         for claim in inner.claims.values() {
@@ -281,16 +334,36 @@ impl NodeState {
     /// Per GPU, whether its whole-GPU device is Healthy: all the `nvidia.com/gpu` list depends on.
     pub fn gpus_offered(&self) -> Vec<bool> {
         let inner = self.lock();
-        let occ = Self::occupancy(&inner, self.unit_mib);
+        let occ = self.occupancy(&inner);
         (0..occ.len())
             .map(|a| inner.health[a] == Health::Healthy && !occ[a].shared())
             .collect()
+    }
+
+    /// The memory units of the healthy GPUs: the node's memory resource when the kubelet counts it
+    /// per node.
+    pub fn healthy_units(&self) -> u64 {
+        let inner = self.lock();
+        (0..self.inventory.gpus.len())
+            .filter(|&a| inner.health[a] == Health::Healthy)
+            .map(|a| self.units_of(a))
+            .sum()
     }
 
     /// Per GPU, whether its memory units are Healthy: all the `nvidia.com/gpu-mem` list depends on.
     pub fn units_offered(&self) -> Vec<bool> {
         let inner = self.lock();
         inner.health.iter().map(|h| *h == Health::Healthy).collect()
+    }
+
+    /// `gpumem.io/gpu-share` (`memCounting: shares`): like units, a sick GPU's slots are Unhealthy and a
+    /// GPU held whole keeps its slots Healthy (GetPreferredAllocation and Allocate refuse them).
+    pub fn share_devices(&self) -> Vec<Device> {
+        let Some(slots) = &self.shares else {
+            return Vec::new();
+        };
+        let offered = self.units_offered();
+        devices::share_devices(&self.inventory, slots.per_gpu, |a| offered[a])
     }
 
     /// Per-GPU usage, as the agent publishes it.
@@ -304,16 +377,17 @@ impl NodeState {
                 .iter()
                 .chain(a.units.values())
                 .chain(a.claimed.values().map(|(owner, _)| owner))
+                .chain(a.shares.values().map(|h| &h.owner))
                 .collect();
             u.pods = pods.into_iter().cloned().collect();
+            // Units and shares are counted in units, claims in MiB.
+            let units =
+                a.units.len() as u64 + a.shares.values().map(|h| self.share_units(gpu, h)).sum::<u64>();
             let claimed_mib: u64 = a.claimed.values().map(|(_, mib)| mib).sum();
             (u.mode, u.allocated_mib) = if !a.whole.is_empty() {
                 (GpuMode::Whole, self.inventory.gpus[gpu].memory_mib)
-            } else if !a.units.is_empty() || claimed_mib > 0 {
-                (
-                    GpuMode::Shared,
-                    a.units.len() as u64 * self.unit_mib + claimed_mib,
-                )
+            } else if units > 0 || claimed_mib > 0 || !a.shares.is_empty() {
+                (GpuMode::Shared, units * self.unit_mib + claimed_mib)
             } else {
                 (GpuMode::Free, 0)
             };
@@ -328,11 +402,29 @@ impl NodeState {
         let inner = self.lock();
         let mut live = BTreeMap::new();
         for p in &inner.pending {
-            if let PendingKind::Units(units) = &p.kind
-                && let Some(&lowest) = units.iter().min()
-            {
-                let name = Enforcement::allocation_name(self.inventory.gpus[p.gpu].index, &[lowest]);
-                live.insert(name, ALLOCATING_POD.to_string());
+            let index = self.inventory.gpus[p.gpu].index;
+            match &p.kind {
+                PendingKind::Units(units) => {
+                    if let Some(&lowest) = units.iter().min() {
+                        live.insert(
+                            Enforcement::allocation_name(index, &[lowest]),
+                            ALLOCATING_POD.to_string(),
+                        );
+                    }
+                }
+                PendingKind::Share { slot, hold } => {
+                    live.insert(
+                        Enforcement::share_allocation_name(index, *slot),
+                        hold.owner.clone(),
+                    );
+                }
+                PendingKind::Whole => {}
+            }
+        }
+        for (a, allocation) in inner.listed.iter().enumerate() {
+            for (&slot, hold) in &allocation.shares {
+                let name = Enforcement::share_allocation_name(self.inventory.gpus[a].index, slot);
+                live.insert(name, hold.owner.clone());
             }
         }
         // Listed after pending: once the kubelet lists an allocation, its pod is known.
@@ -373,9 +465,34 @@ impl NodeState {
     pub fn apply_pod_resources(&self, list: &ListPodResourcesResponse) {
         let mut listed = vec![GpuAllocation::default(); self.inventory.gpus.len()];
         let mut listed_mem = BTreeSet::new();
+        let share_resource = self.shares.as_ref().map(|s| s.resource.as_str());
         for pod in &list.pod_resources {
             let owner = format!("{}/{}", pod.namespace, pod.name);
-            for device in pod.containers.iter().flat_map(|c| &c.devices) {
+            for (container, device) in pod
+                .containers
+                .iter()
+                .flat_map(|c| c.devices.iter().map(move |d| (&c.name, d)))
+            {
+                if Some(device.resource_name.as_str()) == share_resource {
+                    for id in &device.device_ids {
+                        match devices::parse_share_id(id)
+                            .and_then(|(index, n)| Some((self.position(index)?, n)))
+                        {
+                            Some((a, slot)) => {
+                                let hold = ShareHold {
+                                    owner: owner.clone(),
+                                    container: container.clone(),
+                                    units: None,
+                                };
+                                listed[a].shares.insert(slot, hold);
+                            }
+                            None => {
+                                tracing::debug!(%id, "PodResources lists a share this node does not have")
+                            }
+                        }
+                    }
+                    continue;
+                }
                 if device.resource_name == self.mem_resource {
                     let units = device.device_ids.iter().filter_map(|id| parse_unit_id(id));
                     if let Some(lowest) = units.min_by_key(|&(_, n)| n) {
@@ -405,20 +522,40 @@ impl NodeState {
             }
         }
         let mut inner = self.lock();
+        // A share's size is what its container asked, when this container's is known.
+        for (a, allocation) in listed.iter_mut().enumerate() {
+            for (&slot, hold) in allocation.shares.iter_mut() {
+                hold.units = inner
+                    .share_units
+                    .get(&(a, slot))
+                    .filter(|(owner, container, _)| *owner == hold.owner && *container == hold.container)
+                    .map(|&(_, _, units)| units);
+            }
+        }
         let now = Instant::now();
         // A pending allocation is done once the kubelet lists any of it (or it is too old to matter).
         inner.pending.retain(|p| {
             let seen = match &p.kind {
                 PendingKind::Whole => !listed[p.gpu].whole.is_empty(),
                 PendingKind::Units(units) => units.iter().any(|u| listed[p.gpu].units.contains_key(u)),
+                PendingKind::Share { slot, .. } => listed[p.gpu].shares.contains_key(slot),
             };
             !seen && now.duration_since(p.at) < PENDING_TTL
         });
-        let before = Self::exclusion(&inner, self.unit_mib);
+        let Inner {
+            pending, share_units, ..
+        } = &mut *inner;
+        share_units.retain(|&(a, slot), _| {
+            listed[a].shares.contains_key(&slot)
+                || pending.iter().any(|p| {
+                    p.gpu == a && matches!(&p.kind, PendingKind::Share { slot: s, .. } if *s == slot)
+                })
+        });
+        let before = self.exclusion(&inner);
         let usage_changed = inner.listed != listed;
         inner.listed = listed;
         inner.listed_mem = listed_mem;
-        let after = Self::exclusion(&inner, self.unit_mib);
+        let after = self.exclusion(&inner);
         drop(inner);
         if before != after {
             self.bump();
@@ -428,10 +565,60 @@ impl NodeState {
     }
 
     /// The part of the allocation that the device lists depend on: whole / shared per GPU.
-    fn exclusion(inner: &Inner, unit_mib: u64) -> Vec<(bool, bool)> {
-        Self::occupancy(inner, unit_mib)
+    fn exclusion(&self, inner: &Inner) -> Vec<(bool, bool)> {
+        self.occupancy(inner)
             .iter()
             .map(|o| (o.whole, o.shared()))
+            .collect()
+    }
+
+    // ----- shares whose size is learned from the API server -----
+
+    /// Shares the kubelet lists whose size is not known yet (after an agent restart): slot ID, owner
+    /// (`namespace/name`) and container.
+    pub fn unsized_shares(&self) -> Vec<(String, String, String)> {
+        let inner = self.lock();
+        let mut unknown = Vec::new();
+        for (a, allocation) in inner.listed.iter().enumerate() {
+            for (&slot, hold) in &allocation.shares {
+                if hold.units.is_none() {
+                    let id = devices::share_id(self.inventory.gpus[a].index, slot);
+                    unknown.push((id, hold.owner.clone(), hold.container.clone()));
+                }
+            }
+        }
+        unknown
+    }
+
+    /// Records the units the container holding share `id` asked, read from its pod's spec.
+    pub fn size_share(&self, id: &str, owner: &str, container: &str, units: u64) {
+        let Ok((a, slot)) = self.share_position(id) else {
+            return;
+        };
+        let mut inner = self.lock();
+        let Some(hold) = inner.listed[a].shares.get_mut(&slot) else {
+            return;
+        };
+        if hold.owner != owner || hold.container != container {
+            return;
+        }
+        hold.units = Some(units);
+        inner
+            .share_units
+            .insert((a, slot), (owner.to_string(), container.to_string(), units));
+        drop(inner);
+        self.bump();
+    }
+
+    /// The containers this agent allocated a share to that the kubelet does not list yet: (owner, container).
+    pub fn pending_shares(&self) -> BTreeSet<(String, String)> {
+        self.lock()
+            .pending
+            .iter()
+            .filter_map(|p| match &p.kind {
+                PendingKind::Share { hold, .. } => Some((hold.owner.clone(), hold.container.clone())),
+                _ => None,
+            })
             .collect()
     }
 
@@ -510,7 +697,7 @@ impl NodeState {
         };
         let (available, must) = (to_pos(available)?, to_pos(must)?);
         // GPUs sharing memory are reported unhealthy, but the kubelet may not have seen that yet.
-        let occ = Self::occupancy(&self.lock(), self.unit_mib);
+        let occ = self.occupancy(&self.lock());
         let usable: Vec<usize> = available.into_iter().filter(|&a| !occ[a].shared()).collect();
         let set = local::best_gpu_set(&self.scores, &usable, &must, size)
             .map_err(|e| RequestError::Unavailable(format!("{}: {e}", self.gpu_resource)))?;
@@ -548,7 +735,7 @@ impl NodeState {
         let (occ, healthy) = {
             let inner = self.lock();
             (
-                Self::occupancy(&inner, self.unit_mib),
+                self.occupancy(&inner),
                 inner
                     .health
                     .iter()
@@ -649,7 +836,7 @@ impl NodeState {
             )));
         }
         let mut inner = self.lock();
-        let occ = Self::occupancy(&inner, self.unit_mib);
+        let occ = self.occupancy(&inner);
         let mut gpus = Vec::new();
         for id in ids {
             let a = *self
@@ -710,7 +897,7 @@ impl NodeState {
                 self.inventory.gpus[a].index
             )));
         }
-        let occ = Self::occupancy(&inner, self.unit_mib)[a];
+        let occ = self.occupancy(&inner)[a];
         if occ.whole {
             return Err(RequestError::Unavailable(format!(
                 "GPU {} is allocated whole; its memory cannot be shared",
@@ -729,6 +916,178 @@ impl NodeState {
             self.bump();
         }
         Ok((a, units))
+    }
+
+    /// GetPreferredAllocation for a share (`memCounting: shares`): `size` offered slots (one, as the
+    /// admission policy asks) of the GPU that takes `units` best, the scorer's choice first.
+    pub fn prefer_share(
+        &self,
+        available: &[String],
+        must: &[String],
+        size: usize,
+        units: u64,
+        preferred: Option<&str>,
+    ) -> Result<Vec<String>, RequestError> {
+        let resource = self.share_resource()?;
+        let mut must_gpu = None;
+        for id in must {
+            let (a, _) = self.share_position(id)?;
+            if must_gpu.is_some_and(|g| g != a) {
+                return Err(RequestError::Invalid(format!(
+                    "{resource}: the shares that must be included span several GPUs"
+                )));
+            }
+            must_gpu = Some(a);
+        }
+        let n = self.inventory.gpus.len();
+        let mut offered = vec![Vec::new(); n];
+        for id in available {
+            let (a, _) = self.share_position(id)?;
+            if !must.contains(id) {
+                offered[a].push(id);
+            }
+        }
+        let (occ, healthy) = {
+            let inner = self.lock();
+            let healthy: Vec<bool> = inner.health.iter().map(|h| *h == Health::Healthy).collect();
+            (self.occupancy(&inner), healthy)
+        };
+        let free = |a: usize| self.units_of(a).saturating_sub(occ[a].units);
+        let eligible = |a: &usize| {
+            healthy[*a]
+                && !occ[*a].whole
+                && must_gpu.is_none_or(|g| g == *a)
+                && offered[*a].len() + must.len() >= size
+                && free(*a) >= units
+        };
+        let scorer_choice = preferred
+            .and_then(|uuid| self.by_uuid.get(uuid).copied())
+            .filter(eligible);
+        let fits: Vec<FreeMemory> = (0..n)
+            .filter(eligible)
+            .map(|a| FreeMemory {
+                gpu: a,
+                free: free(a),
+            })
+            .collect();
+        let Some(gpu) = scorer_choice.or_else(|| local::best_fit_gpu(&fits, units)) else {
+            let largest = (0..n)
+                .filter(|a| healthy[*a] && !occ[*a].whole && !offered[*a].is_empty())
+                .max_by_key(|&a| free(a));
+            let have = largest.map_or_else(
+                || "no healthy GPU has a free share slot".to_string(),
+                |a| {
+                    format!(
+                        "the most free is {} MiB on GPU {}",
+                        free(a) * self.unit_mib,
+                        self.inventory.gpus[a].index
+                    )
+                },
+            );
+            return Err(RequestError::Unavailable(format!(
+                "{resource}: no GPU has {} MiB free and a free share slot ({have})",
+                units * self.unit_mib
+            )));
+        };
+        let chosen = must
+            .iter()
+            .chain(offered[gpu].iter().copied())
+            .take(size)
+            .cloned()
+            .collect();
+        Ok(chosen)
+    }
+
+    /// Allocate a share: one slot, of a known healthy GPU not held whole with `units` free, for
+    /// container `container` of pod `owner` (`namespace/name`). Returns the GPU's position and the slot.
+    pub fn allocate_share(
+        &self,
+        ids: &[String],
+        owner: &str,
+        container: &str,
+        units: u64,
+    ) -> Result<(usize, u32), RequestError> {
+        let resource = self.share_resource()?;
+        let [id] = ids else {
+            return Err(RequestError::Invalid(format!(
+                "{resource}: a container holds one share, not {} (its {} says how much memory)",
+                ids.len(),
+                self.mem_resource
+            )));
+        };
+        let (a, slot) = self.share_position(id)?;
+        let index = self.inventory.gpus[a].index;
+        let mut inner = self.lock();
+        if let Health::Unhealthy { reason, .. } = &inner.health[a] {
+            return Err(RequestError::Unavailable(format!(
+                "GPU {index} is unhealthy: {reason}"
+            )));
+        }
+        let same = |h: &ShareHold| h.owner == owner && h.container == container;
+        let listed = inner.listed[a].shares.get(&slot);
+        if let Some(other) = listed.filter(|h| !same(h)) {
+            return Err(RequestError::Unavailable(format!(
+                "{resource}: share {id} is held by {} ({})",
+                other.owner, other.container
+            )));
+        }
+        let again = listed.is_some()
+            || inner.pending.iter().any(|p| {
+                p.gpu == a
+                    && matches!(&p.kind, PendingKind::Share { slot: s, hold } if *s == slot && same(hold))
+            });
+        if !again {
+            let occ = self.occupancy(&inner)[a];
+            if occ.whole {
+                return Err(RequestError::Unavailable(format!(
+                    "GPU {index} is allocated whole; its memory cannot be shared"
+                )));
+            }
+            let free = self.units_of(a).saturating_sub(occ.units);
+            if free < units {
+                return Err(RequestError::Unavailable(format!(
+                    "GPU {index} has {} MiB free; {owner} ({container}) asks {} MiB",
+                    free * self.unit_mib,
+                    units * self.unit_mib
+                )));
+            }
+        }
+        let hold = ShareHold {
+            owner: owner.to_string(),
+            container: container.to_string(),
+            units: Some(units),
+        };
+        inner
+            .pending
+            .retain(|p| !(p.gpu == a && matches!(&p.kind, PendingKind::Share { slot: s, .. } if *s == slot)));
+        inner.pending.push(Pending {
+            gpu: a,
+            kind: PendingKind::Share { slot, hold },
+            at: Instant::now(),
+        });
+        inner
+            .share_units
+            .insert((a, slot), (owner.to_string(), container.to_string(), units));
+        drop(inner);
+        self.bump();
+        Ok((a, slot))
+    }
+
+    fn share_resource(&self) -> Result<&str, RequestError> {
+        self.shares
+            .as_ref()
+            .map(|s| s.resource.as_str())
+            .ok_or_else(|| RequestError::Invalid("this agent counts memory in units, not shares".into()))
+    }
+
+    /// GPU position and slot of a share ID, checked against this node.
+    fn share_position(&self, id: &str) -> Result<(usize, u32), RequestError> {
+        let resource = self.share_resource()?;
+        let per_gpu = self.shares.as_ref().map_or(0, |s| s.per_gpu);
+        devices::parse_share_id(id)
+            .and_then(|(index, slot)| Some((self.position(index)?, slot)))
+            .filter(|&(_, slot)| slot < per_gpu)
+            .ok_or_else(|| unknown(resource, id))
     }
 
     // ----- DRA claims -----
@@ -751,7 +1110,7 @@ impl NodeState {
         if inner.claims.contains_key(uid) {
             return Ok(());
         }
-        let occ = Self::occupancy(&inner, self.unit_mib);
+        let occ = self.occupancy(&inner);
         for &(a, share) in &claim.shares {
             let Some(gpu) = self.inventory.gpus.get(a) else {
                 return Err(RequestError::Invalid(format!(
@@ -1069,6 +1428,163 @@ mod tests {
             GpuMode::Free,
             "listed once, then gone: the pod ended"
         );
+    }
+
+    fn shared_state() -> NodeState {
+        // t4x4 at 1 MiB: 15,360 units per GPU; 4 slots each.
+        state("t4x4", 1).with_shares(ShareSlots {
+            resource: devices::SHARE_RESOURCE.into(),
+            per_gpu: 4,
+        })
+    }
+
+    fn slots(gpu: u32, range: std::ops::Range<u32>) -> Vec<String> {
+        range.map(|n| devices::share_id(gpu, n)).collect()
+    }
+
+    #[test]
+    fn shares_count_what_their_containers_asked_and_exclude_whole_gpus() {
+        let s = shared_state();
+        let uuid = |a: usize| s.inventory.gpus[a].uuid.clone();
+        let all: Vec<String> = (0..4).flat_map(|g| slots(g, 0..4)).collect();
+        assert_eq!(s.share_devices().len(), 16);
+        assert_eq!(s.healthy_units(), 4 * 15_360);
+
+        // 10,000 MiB on GPU 1 leaves 5,360 there: a 6,000 MiB share goes elsewhere, a 5,000 one there.
+        assert_eq!(
+            s.allocate_share(&slots(1, 0..1), "ns/a", "main", 10_000).unwrap(),
+            (1, 0)
+        );
+        let six = s.prefer_share(&all, &[], 1, 6_000, None).unwrap();
+        assert_ne!(devices::parse_share_id(&six[0]).unwrap().0, 1, "{six:?}");
+        let five = s.prefer_share(&all, &[], 1, 5_000, None).unwrap();
+        assert_eq!(five, slots(1, 0..1), "the tightest GPU, the first slot offered");
+        // The scorer's choice wins when it fits, and is passed over when it does not.
+        assert_eq!(
+            s.prefer_share(&all, &[], 1, 5_000, Some(&uuid(3))).unwrap(),
+            slots(3, 0..1)
+        );
+        assert_eq!(
+            s.prefer_share(&all, &[], 1, 6_000, Some(&uuid(1))).unwrap().len(),
+            1
+        );
+        let err = s
+            .allocate_share(&slots(1, 1..2), "ns/b", "main", 6_000)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("5360 MiB free") && err.contains("ns/b (main) asks 6000 MiB"),
+            "{err}"
+        );
+        let err = s
+            .prefer_share(&all, &[], 1, 16_000, None)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("no GPU has 16000 MiB free"), "{err}");
+        let err = s
+            .allocate_share(&slots(0, 0..2), "ns/b", "main", 1)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("one share, not 2"), "{err}");
+        assert!(
+            s.allocate_share(&["0-s4".into()], "ns/b", "main", 1).is_err(),
+            "slot 4 of 4"
+        );
+        assert!(
+            s.allocate_share(&["0-3".into()], "ns/b", "main", 1).is_err(),
+            "a unit ID"
+        );
+
+        // Whole and shared exclude each other, as with units.
+        assert!(s.allocate_whole(&[uuid(1)]).is_err(), "GPU 1 holds a share");
+        s.allocate_whole(&[uuid(2)]).unwrap();
+        let err = s
+            .allocate_share(&slots(2, 0..1), "ns/c", "main", 1)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("allocated whole"), "{err}");
+        assert!(!healthy(&s.gpu_devices()).contains(&uuid(1).as_str()));
+
+        // Usage names the pod from the start (it is known at Allocate).
+        let usage = s.gpu_usage();
+        assert_eq!((usage[1].mode, usage[1].allocated_mib), (GpuMode::Shared, 10_000));
+        assert_eq!(usage[1].pods, vec!["ns/a".to_string()]);
+        assert_eq!(
+            s.live_allocations().get("g1-s0").map(String::as_str),
+            Some("ns/a"),
+            "the shim's accounting is named by GPU and slot"
+        );
+    }
+
+    #[test]
+    fn listed_shares_keep_their_size_and_unknown_ones_count_whole_until_read() {
+        let s = shared_state();
+        let share = |name: &str, id: &str| pod(name, devices::SHARE_RESOURCE, vec![id.to_string()]);
+        s.allocate_share(&slots(0, 0..1), "default/a", "main", 3_000)
+            .unwrap();
+        s.apply_pod_resources(&ListPodResourcesResponse {
+            pod_resources: vec![share("a", "0-s0")],
+        });
+        assert_eq!(s.gpu_usage()[0].allocated_mib, 3_000, "listed: the size stays");
+        assert!(s.pending_shares().is_empty(), "listed, no longer pending");
+        assert!(s.holds_memory("default/a"));
+
+        // After a restart nothing is known of a listed share but its holder: the whole GPU counts.
+        let restarted = shared_state();
+        restarted.apply_pod_resources(&ListPodResourcesResponse {
+            pod_resources: vec![share("a", "0-s0"), share("b", "2-s3")],
+        });
+        assert_eq!(restarted.gpu_usage()[2].allocated_mib, 15_360);
+        let err = restarted
+            .allocate_share(&slots(2, 0..1), "default/c", "main", 1)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("0 MiB free"), "{err}");
+        let mut unknown = restarted.unsized_shares();
+        unknown.sort();
+        assert_eq!(
+            unknown,
+            vec![
+                ("0-s0".to_string(), "default/a".to_string(), "main".to_string()),
+                ("2-s3".to_string(), "default/b".to_string(), "main".to_string()),
+            ]
+        );
+        restarted.size_share("2-s3", "default/b", "main", 2_000);
+        restarted.size_share("0-s0", "default/someone-else", "main", 1);
+        assert_eq!(restarted.gpu_usage()[2].allocated_mib, 2_000);
+        assert_eq!(
+            restarted.unsized_shares().len(),
+            1,
+            "a size for another holder is ignored"
+        );
+        // The next listing keeps the learned size; a slot passed to another pod starts unknown again.
+        restarted.apply_pod_resources(&ListPodResourcesResponse {
+            pod_resources: vec![share("b", "2-s3")],
+        });
+        assert_eq!(restarted.gpu_usage()[2].allocated_mib, 2_000);
+        restarted.apply_pod_resources(&ListPodResourcesResponse {
+            pod_resources: vec![share("d", "2-s3")],
+        });
+        assert_eq!(restarted.gpu_usage()[2].allocated_mib, 15_360);
+        restarted.apply_pod_resources(&ListPodResourcesResponse {
+            pod_resources: vec![],
+        });
+        assert_eq!(restarted.gpu_usage()[2].mode, GpuMode::Free, "gone");
+    }
+
+    #[test]
+    fn a_sick_gpu_leaves_the_node_total_and_its_slots_turn_unhealthy() {
+        let s = shared_state();
+        s.record_xid(3, 48);
+        assert_eq!(s.healthy_units(), 3 * 15_360);
+        let unhealthy: Vec<String> = s
+            .share_devices()
+            .into_iter()
+            .filter(|d| d.health != HEALTHY)
+            .map(|d| d.id)
+            .collect();
+        assert_eq!(unhealthy, slots(3, 0..4));
+        assert!(s.allocate_share(&slots(3, 0..1), "ns/a", "main", 1).is_err());
     }
 
     #[test]

@@ -1,8 +1,9 @@
 //! The device lists the agent advertises in ListAndWatch, and whether they fit the kubelet's limit.
 //!
 //! `nvidia.com/gpu` has one device per GPU (ID = UUID). `nvidia.com/gpu-mem` has one device per memory
-//! unit, IDs `<gpu index>-<n>`. Both carry the GPU's NUMA node as topology, which is what the kubelet's
-//! Topology Manager aligns on.
+//! unit, IDs `<gpu index>-<n>`, or, when the kubelet counts memory per node (`memCounting: shares`),
+//! none: `gpumem.io/gpu-share` then has a few share slots per GPU, IDs `<gpu index>-s<n>`. All carry
+//! the GPU's NUMA node as topology, which is what the kubelet's Topology Manager aligns on.
 
 use prost::Message;
 
@@ -14,6 +15,9 @@ use crate::gpu::GpuInventory;
 pub const GPU_RESOURCE: &str = "nvidia.com/gpu";
 /// GPU memory, in units of `memUnitMiB`.
 pub const MEM_RESOURCE: &str = "nvidia.com/gpu-mem";
+/// One container's share of one GPU (`memCounting: shares`): the one device the kubelet lists for a
+/// container asking `nvidia.com/gpu-mem`.
+pub const SHARE_RESOURCE: &str = "gpumem.io/gpu-share";
 
 fn topology(numa_node: Option<u32>) -> Option<TopologyInfo> {
     numa_node.map(|id| TopologyInfo {
@@ -28,6 +32,31 @@ fn health(healthy: bool) -> String {
 /// The ID of memory unit `n` of GPU `gpu_index`.
 pub fn mem_unit_id(gpu_index: u32, n: u64) -> String {
     format!("{gpu_index}-{n}")
+}
+
+/// The ID of share slot `n` of GPU `gpu_index`.
+pub fn share_id(gpu_index: u32, n: u32) -> String {
+    format!("{gpu_index}-s{n}")
+}
+
+/// `<gpu index>-s<n>` → (gpu index, slot).
+pub fn parse_share_id(id: &str) -> Option<(u32, u32)> {
+    let (gpu, slot) = id.split_once("-s")?;
+    Some((gpu.parse().ok()?, slot.parse().ok()?))
+}
+
+/// `gpumem.io/gpu-share` devices, `per_gpu` slots per GPU; `healthy(position)` tells each GPU's state.
+pub fn share_devices(inventory: &GpuInventory, per_gpu: u32, healthy: impl Fn(usize) -> bool) -> Vec<Device> {
+    let mut devices = Vec::new();
+    for (a, gpu) in inventory.gpus.iter().enumerate() {
+        let (state, topo) = (health(healthy(a)), topology(gpu.numa_node));
+        devices.extend((0..per_gpu).map(|n| Device {
+            id: share_id(gpu.index, n),
+            health: state.clone(),
+            topology: topo.clone(),
+        }));
+    }
+    devices
 }
 
 /// How many whole units of `unit_mib` a GPU of `memory_mib` offers (a remainder is not advertised).
@@ -202,6 +231,20 @@ mod tests {
         assert!(listed_units_cost(&t4, 1, "v1.40.0-rc.1+abc").unwrap().listed);
         assert!(listed_units_cost(&t4, 1, "v2").is_none());
         assert!(listed_units_cost(&t4, 1, "").is_none());
+    }
+
+    #[test]
+    fn share_ids_round_trip_and_are_not_unit_ids() {
+        let t4 = inventory("t4x4");
+        let devices = share_devices(&t4, 3, |a| a != 1);
+        assert_eq!(devices.len(), 12);
+        assert_eq!(devices[4].id, "1-s1");
+        assert_eq!(devices[4].health, UNHEALTHY);
+        assert_eq!(devices[0].health, HEALTHY);
+        assert_eq!(parse_share_id("12-s31"), Some((12, 31)));
+        for not_a_share in ["0-17", "s1", "0-s", "-s1", "0-s-1", "0-sx"] {
+            assert_eq!(parse_share_id(not_a_share), None, "{not_a_share}");
+        }
     }
 
     #[test]

@@ -18,6 +18,11 @@ use super::uds;
 #[tonic::async_trait]
 pub trait Refresh: Send + Sync + 'static {
     async fn refresh(&self);
+
+    /// A fresh `List`, also handed on; for decisions that need to see what the kubelet lists now.
+    async fn list(&self) -> anyhow::Result<ListPodResourcesResponse> {
+        anyhow::bail!("no PodResources here")
+    }
 }
 
 /// Where each `List` goes (the agent's node state).
@@ -53,6 +58,11 @@ impl PodResources {
 
     /// Lists what is allocated and hands it on.
     pub async fn refresh_now(&self) -> anyhow::Result<()> {
+        self.list_now().await.map(drop)
+    }
+
+    /// Lists what is allocated, hands it on and returns it.
+    pub async fn list_now(&self) -> anyhow::Result<ListPodResourcesResponse> {
         let mut guard = self.client.lock().await;
         let attempt = async {
             if guard.is_none() {
@@ -67,7 +77,7 @@ impl PodResources {
             Ok(Ok(list)) => {
                 self.allocations.apply(&list);
                 *self.last_listed.lock().unwrap_or_else(|e| e.into_inner()) = Some(Instant::now());
-                Ok(())
+                Ok(list)
             }
             failed => {
                 // Reconnect next time: the kubelet may have restarted.
@@ -144,5 +154,9 @@ impl Refresh for PodResources {
         if let Err(err) = self.refresh_now().await {
             tracing::warn!(error = %err, "deciding on the last known allocations");
         }
+    }
+
+    async fn list(&self) -> anyhow::Result<ListPodResourcesResponse> {
+        self.list_now().await
     }
 }

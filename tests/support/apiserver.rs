@@ -384,6 +384,25 @@ impl Drop for FakeApiServer {
 type Body = UnsyncBoxBody<Bytes, Infallible>;
 type Answer = Result<Response<Body>, Infallible>;
 
+/// RFC 7386: objects merge key by key, `null` removes, anything else replaces.
+fn merge_patch(target: &mut Value, patch: &Value) {
+    let Some(patch) = patch.as_object() else {
+        *target = patch.clone();
+        return;
+    };
+    if !target.is_object() {
+        *target = json!({});
+    }
+    let map = target.as_object_mut().expect("made an object above");
+    for (key, value) in patch {
+        if value.is_null() {
+            map.remove(key);
+        } else {
+            merge_patch(map.entry(key.clone()).or_insert(Value::Null), value);
+        }
+    }
+}
+
 fn respond(status: StatusCode, body: Value) -> Answer {
     let mut response = Response::new(Full::new(Bytes::from(body.to_string())).boxed_unsync());
     *response.status_mut() = status;
@@ -540,6 +559,16 @@ async fn handle(state: Arc<Mutex<State>>, req: Request<Incoming>) -> Answer {
                     respond(StatusCode::OK, node)
                 }
             }
+        }
+        // A JSON merge patch of the status (RFC 7386): the agent's node-level memory resource.
+        ("", "nodes/status", "patch") if recorded.content_type == "application/merge-patch+json" => {
+            let revision = state.next_revision();
+            let Some(node) = state.nodes.get_mut(&name) else {
+                return not_found(&info);
+            };
+            merge_patch(&mut node["status"], &recorded.body["status"]);
+            node["metadata"]["resourceVersion"] = json!(revision);
+            respond(StatusCode::OK, node.clone())
         }
         // A strategic merge of status conditions, as the real server merges them: by `type`.
         ("", "nodes/status", "patch") => {
