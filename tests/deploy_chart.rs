@@ -2,7 +2,9 @@
 //! deploy/helm/gpumem/README.md) for default and non-default values: every object is the typed
 //! Kubernetes object it claims to be, the agent's config file is one the agent accepts, and the
 //! DaemonSet mounts every path that config makes the agent use (the DRA path's among them); the DRA
-//! DeviceClass and admission policy follow the agent's driver name and ServiceAccount.
+//! DeviceClass and admission policy follow the agent's driver name and ServiceAccount; GPU memory is
+//! counted in shares where the API server serves MutatingAdmissionPolicy v1 (or as the values say),
+//! with the policy that gives each container asking memory its share, evaluated on sample pods.
 
 mod deploy_support;
 
@@ -10,10 +12,11 @@ use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
 use clap::{Args as _, FromArgMatches as _};
-use gpumem::agent::config::{DeviceListStrategy, DraConfig, MemoryLimits, Mode};
+use gpumem::agent::config::{DeviceListStrategy, DraConfig, MemCounting, MemoryLimits, Mode};
 use gpumem::agent::{AgentArgs, AgentConfig};
 use gpumem::claim::ControllerArgs;
 use k8s_openapi::api::admissionregistration::v1::{
+    MutatingAdmissionPolicy, MutatingAdmissionPolicyBinding, MutatingAdmissionPolicySpec,
     ValidatingAdmissionPolicy, ValidatingAdmissionPolicyBinding,
 };
 use k8s_openapi::api::apps::v1::{DaemonSet, Deployment};
@@ -82,7 +85,12 @@ fn custom_values() -> Json {
 }
 
 fn objects(values: &Json) -> Vec<(String, Json)> {
-    let docs = rendered_docs(&render_chart(values));
+    objects_with_apis(values, &[])
+}
+
+/// [`objects`] where the API server serves `api_versions` (`helm install`'s `.Capabilities`).
+fn objects_with_apis(values: &Json, api_versions: &[&str]) -> Vec<(String, Json)> {
+    let docs = rendered_docs(&render_chart_with_apis(values, api_versions));
     for (template, doc) in &docs {
         check_typed(doc).unwrap_or_else(|e| panic!("{template}: {e}"));
     }
@@ -792,6 +800,17 @@ fn the_renderer_refuses_what_helm_would_render_wrong() {
     let dir = scratch_chart("a:\n  {{- toYaml .Values.agent.resources | nindent 2 }}\n");
     let out = render_chart_at(dir.path(), &json!({})).unwrap();
     assert_eq!(yaml_docs(&out[0].text, "t")[0]["a"]["requests"]["cpu"], "50m");
+    // `.Capabilities.APIVersions.Has`, also inside `range`; the renderer's stand-in for it is not Helm's.
+    let dir = scratch_chart(
+        "a: {{ .Capabilities.APIVersions.Has \"x/v1/K\" }}\n\
+         {{- range .Values.imagePullSecrets }} b: {{ .Capabilities.APIVersions.Has \"x/v1/K\" }}{{ end }}\n",
+    );
+    let out = render_chart_at_with_apis(dir.path(), &json!({"imagePullSecrets": [1]}), &["x/v1/K"]).unwrap();
+    assert_eq!(out[0].text, "a: true b: true\n");
+    let out = render_chart_at_with_apis(dir.path(), &json!({"imagePullSecrets": [1]}), &["x/v1"]).unwrap();
+    assert_eq!(out[0].text, "a: false b: false\n");
+    let dir = scratch_chart("a: {{ renderer_api_versions_has $.Capabilities.APIVersions \"x/v1/K\" }}\n");
+    assert!(render_chart_at(dir.path(), &json!({})).is_err());
 }
 
 #[test]
@@ -1132,4 +1151,491 @@ fn claims_disabled_removes_the_controller_and_keeps_the_crd() {
         .map(|d| d["metadata"]["name"].as_str().unwrap().to_string())
         .collect();
     assert_eq!(names, ["gpuclaims.gpumem.io"]);
+}
+
+// ---- GPU memory counted in shares ---------------------------------------------------------------
+
+/// What templates/gpu-share.yaml renders: the policy and its binding, by template.
+fn gpu_share_objects(docs: &[(String, Json)]) -> BTreeSet<String> {
+    kinds_and_names(
+        &docs
+            .iter()
+            .filter(|(t, _)| t == "templates/gpu-share.yaml")
+            .cloned()
+            .collect::<Vec<_>>(),
+    )
+}
+
+#[test]
+fn memory_is_counted_in_shares_where_the_api_server_serves_mutating_admission_policy() {
+    let map_v1 = &[MUTATING_ADMISSION_POLICY_V1][..];
+    // What `helm template` lists without a cluster (group/versions, no kind), and Kubernetes 1.34 and
+    // 1.35 with the beta API turned on: not enough for the v1 policy.
+    let older = &[
+        "admissionregistration.k8s.io/v1",
+        "admissionregistration.k8s.io/v1beta1",
+        "admissionregistration.k8s.io/v1beta1/MutatingAdmissionPolicy",
+    ][..];
+    let none = &[][..];
+    let policy = BTreeSet::from([
+        "MutatingAdmissionPolicy/\"gpumem-gpu-share\"".to_string(),
+        "MutatingAdmissionPolicyBinding/\"gpumem-gpu-share\"".to_string(),
+    ]);
+    let defaults = kinds_and_names(&objects(&json!({})));
+    for (values, apis, shares) in [
+        (json!({}), none, false),
+        (json!({}), older, false),
+        (json!({}), map_v1, true),
+        (json!({"agent": {"memCounting": "auto"}}), map_v1, true),
+        (json!({"agent": {"memCounting": "units"}}), map_v1, false),
+        (json!({"agent": {"memCounting": "shares"}}), none, true),
+        (json!({"agent": {"memCounting": "shares"}}), older, true),
+    ] {
+        let what = format!("{values} with {apis:?}");
+        let docs = objects_with_apis(&values, apis);
+        let (config, _) = agent_config(&docs, tempfile::tempdir().unwrap().path());
+        let want = if shares {
+            MemCounting::Shares
+        } else {
+            MemCounting::Units
+        };
+        assert_eq!(config.mem_counting, want, "{what}");
+        assert_eq!(
+            (config.share_resource.as_str(), config.shares_per_gpu),
+            ("gpumem.io/gpu-share", 32),
+            "{what}"
+        );
+        // The policy exactly when the agents count in shares, and nothing else changes.
+        let rendered = gpu_share_objects(&docs);
+        assert_eq!(
+            rendered,
+            if shares { policy.clone() } else { BTreeSet::new() },
+            "{what}"
+        );
+        let rest: BTreeSet<_> = kinds_and_names(&docs).difference(&rendered).cloned().collect();
+        assert_eq!(rest, defaults, "{what}");
+    }
+
+    // The names and the slots follow the values, in the agent's config and in the policy alike.
+    let values = json!({"resourceNames": {"mem": "example.com/vram", "share": "example.com/slot"},
+        "agent": {"memCounting": "shares", "sharesPerGpu": 8}});
+    let docs = objects(&values);
+    let (config, _) = agent_config(&docs, tempfile::tempdir().unwrap().path());
+    assert_eq!(config.mem_counting, MemCounting::Shares);
+    assert_eq!(
+        (
+            config.mem_resource.as_str(),
+            config.share_resource.as_str(),
+            config.shares_per_gpu
+        ),
+        ("example.com/vram", "example.com/slot", 8)
+    );
+    let text =
+        serde_json::to_string(find(&docs, "MutatingAdmissionPolicy", "gpumem-gpu-share").unwrap()).unwrap();
+    assert!(
+        text.contains("example.com/vram") && text.contains("example.com/slot"),
+        "{text}"
+    );
+    assert!(
+        !text.contains("nvidia.com/gpu-mem") && !text.contains("gpumem.io/gpu-share"),
+        "{text}"
+    );
+    // A value the agent does not know reaches it, which refuses it rather than counting in units.
+    let docs = objects_with_apis(&json!({"agent": {"memCounting": "share"}}), map_v1);
+    let cm: ConfigMap = get(&docs, "ConfigMap", "gpumem-agent");
+    assert!(cm.data.unwrap()["agent.yaml"].contains("memCounting: share\n"));
+    assert!(gpu_share_objects(&docs).is_empty());
+}
+
+/// The policy with default values and the agents counting in shares.
+fn gpu_share_policy() -> MutatingAdmissionPolicySpec {
+    let docs = objects(&json!({"agent": {"memCounting": "shares"}}));
+    let policy: MutatingAdmissionPolicy = get(&docs, "MutatingAdmissionPolicy", "gpumem-gpu-share");
+    policy.spec.unwrap()
+}
+
+#[test]
+fn the_gpu_share_policy_adds_a_share_to_every_container_asking_memory() {
+    let docs = objects(&json!({"agent": {"memCounting": "shares"}}));
+    let spec = gpu_share_policy();
+    // Fail: a container admitted without its share would run without the agent's Allocate.
+    assert_eq!(spec.failure_policy.as_deref(), Some("Fail"));
+    assert_eq!(spec.reinvocation_policy.as_deref(), Some("IfNeeded"));
+    assert!(spec.param_kind.is_none() && spec.variables.is_none());
+    let rules = spec.match_constraints.unwrap().resource_rules.unwrap_or_default();
+    assert_eq!(rules.len(), 1);
+    assert_eq!(rules[0].api_groups.as_deref(), Some(&[String::new()][..]));
+    assert_eq!(rules[0].api_versions.as_deref(), Some(&["v1".to_string()][..]));
+    assert_eq!(rules[0].resources.as_deref(), Some(&["pods".to_string()][..]));
+    assert_eq!(rules[0].operations.as_deref(), Some(&["CREATE".to_string()][..]));
+    let binding: MutatingAdmissionPolicyBinding =
+        get(&docs, "MutatingAdmissionPolicyBinding", "gpumem-gpu-share");
+    let binding = binding.spec.unwrap();
+    assert_eq!(binding.policy_name.as_deref(), Some("gpumem-gpu-share"));
+    assert!(binding.param_ref.is_none() && binding.match_resources.is_none());
+
+    // Only pods with a container or an init container asking memory, in its limits or requests.
+    let conditions = spec.match_conditions.unwrap_or_default();
+    assert_eq!(conditions.len(), 1);
+    let condition = &conditions[0].expression;
+    for part in [
+        "object.spec.containers",
+        "object.spec.?initContainers",
+        "'nvidia.com/gpu-mem' in c.?resources.?limits",
+        "'nvidia.com/gpu-mem' in c.?resources.?requests",
+    ] {
+        assert!(condition.contains(part), "{part}: {condition}");
+    }
+    // One JSON patch per list and map: containers' and init containers' limits and requests, each
+    // the share's key added to the map, or the map made with it.
+    let mutations = spec.mutations.unwrap_or_default();
+    let mut covered = BTreeSet::new();
+    for m in &mutations {
+        assert_eq!(m.patch_type, "JSONPatch");
+        assert!(m.apply_configuration.is_none());
+        let expr = &m.json_patch.as_ref().unwrap().expression.as_ref().unwrap();
+        let list = if expr.starts_with("object.spec.containers.transformList(") {
+            "containers"
+        } else if expr.starts_with("object.spec.?initContainers.orValue([]).transformList(") {
+            "initContainers"
+        } else {
+            panic!("{expr}")
+        };
+        let field = if expr.contains("/resources/limits") {
+            "limits"
+        } else {
+            "requests"
+        };
+        let other = if field == "limits" { "requests" } else { "limits" };
+        assert!(!expr.contains(&format!("/resources/{other}")), "{expr}");
+        for part in [
+            format!("!('gpumem.io/gpu-share' in c.?resources.?{field}.orValue({{}}))"),
+            format!("c.?resources.?{field}.hasValue()"),
+            format!(
+                "'/spec/{list}/' + string(i) + '/resources/{field}/' + jsonpatch.escapeKey('gpumem.io/gpu-share'), value: '1'"
+            ),
+            format!(
+                "'/spec/{list}/' + string(i) + '/resources/{field}', value: {{'gpumem.io/gpu-share': '1'}}"
+            ),
+        ] {
+            assert!(expr.contains(&part), "{part}: {expr}");
+        }
+        assert!(covered.insert((list, field)), "{list} {field} twice");
+    }
+    assert_eq!(covered.len(), 4, "{covered:?}");
+    // Every expression parses as CEL (optional syntax on, as in the API server).
+    let env = admission_env();
+    for expr in std::iter::once(condition).chain(
+        mutations
+            .iter()
+            .map(|m| m.json_patch.as_ref().unwrap().expression.as_ref().unwrap()),
+    ) {
+        env.compile(expr).unwrap_or_else(|e| panic!("{e:?}: {expr}"));
+    }
+}
+
+// The policy, evaluated. No API server here: its CEL runs on cel-rust (the placer's), with the parts
+// of the API server's admission CEL the policy uses: optional syntax, two-variable `transformList`
+// (here a fold over the list's [index, element] pairs), `JSONPatch` and `jsonpatch.escapeKey`. The API
+// server also type-checks each expression against the Pod's schema; this does not.
+
+fn admission_env() -> cel::Env {
+    let mut env = cel::Env::stdlib().with_optional_support(true);
+    env.add_macro(cel::parser::Macro::receiver("transformList", 4, transform_list))
+        .unwrap();
+    env.add_type(JsonPatchType(cel::common::types::Type::new_struct_type(
+        "JSONPatch",
+    )))
+    .unwrap();
+    env
+}
+
+/// `JSONPatch{op: .., path: .., value: ..}`: made a map of its fields (`value` of any type, which
+/// cel-rust's `StructDef` cannot declare). `op` and `path` are strings, no other field is known.
+struct JsonPatchType(cel::common::types::Type);
+
+impl cel::StructType for JsonPatchType {
+    fn get_type(&self) -> &cel::common::types::Type {
+        &self.0
+    }
+
+    fn new_value<'b, 'v>(
+        &self,
+        fields: std::collections::BTreeMap<String, cel::common::value::CowVal<'b, 'v>>,
+    ) -> Result<Box<dyn cel::common::value::Val + 'v>, cel::ExecutionError> {
+        let mut map = std::collections::HashMap::new();
+        for (name, v) in fields {
+            let v = cel::Value::try_from(v.as_ref())?;
+            let string = matches!(v, cel::Value::String(_));
+            if !["op", "path", "value", "from"].contains(&name.as_str()) || (name != "value" && !string) {
+                return Err(cel::ExecutionError::function_error(
+                    "JSONPatch",
+                    format!("field {name}: {v:?}"),
+                ));
+            }
+            map.insert(cel::objects::Key::String(std::sync::Arc::new(name)), v);
+        }
+        cel::Value::Map(cel::objects::Map {
+            map: std::sync::Arc::new(map),
+        })
+        .try_into()
+    }
+}
+
+/// `list.transformList(i, v, filter, transform)`: for each element `v` at index `i` for which
+/// `filter` holds, `transform` (cel-go's ext.TwoVarComprehensions). Expanded into a comprehension over
+/// `@enumerate(list)` whose step binds `i` and `v`, as `cel.bind` does, and appends.
+fn transform_list(
+    helper: &mut cel::parser::MacroExprHelper<'_>,
+    target: &mut Option<cel::common::ast::IdedExpr>,
+    args: &mut Vec<cel::common::ast::IdedExpr>,
+) -> Result<Option<cel::common::ast::IdedExpr>, cel::parser::ParseError> {
+    use cel::common::ast::{CallExpr, ComprehensionExpr, Expr, IdedExpr, ListExpr, LiteralValue, operators};
+    let (Some(transform), Some(filter), Some(value), Some(index)) =
+        (args.pop(), args.pop(), args.pop(), args.pop())
+    else {
+        return Err(helper.new_error(0, "transformList takes two names, a filter and a transform"));
+    };
+    let (Expr::Ident(index), Expr::Ident(value)) = (index.expr, value.expr) else {
+        return Err(helper.new_error(0, "transformList's variables are names"));
+    };
+    let list = target.take().unwrap();
+    let call = |helper: &mut cel::parser::MacroExprHelper<'_>, name: &str, args: Vec<IdedExpr>| {
+        helper.next_expr(Expr::Call(CallExpr {
+            func_name: name.into(),
+            target: None,
+            args,
+        }))
+    };
+    let ident = |helper: &mut cel::parser::MacroExprHelper<'_>, name: &str| {
+        helper.next_expr(Expr::Ident(name.into()))
+    };
+    let element = |helper: &mut cel::parser::MacroExprHelper<'_>, n: i64| {
+        let pair = ident(helper, "@pair");
+        let n = helper.next_expr(Expr::Literal(LiteralValue::Int(n.into())));
+        call(helper, operators::INDEX, vec![pair, n])
+    };
+    let bind =
+        |helper: &mut cel::parser::MacroExprHelper<'_>, name: String, init: IdedExpr, body: IdedExpr| {
+            let empty = helper.next_expr(Expr::List(ListExpr::new(Vec::new())));
+            let never = helper.next_expr(Expr::Literal(LiteralValue::Boolean(false.into())));
+            let step = ident(helper, &name);
+            helper.next_expr(Expr::Comprehension(Box::new(ComprehensionExpr {
+                iter_range: empty,
+                iter_var: "#unused".into(),
+                iter_var2: None,
+                accu_var: name,
+                accu_init: init,
+                loop_cond: never,
+                loop_step: step,
+                result: body,
+            })))
+        };
+    let accu = "@transformed";
+    let listed = helper.next_expr(Expr::List(ListExpr::new(vec![transform])));
+    let so_far = ident(helper, accu);
+    let appended = call(helper, operators::ADD, vec![so_far, listed]);
+    let so_far = ident(helper, accu);
+    let step = call(helper, operators::CONDITIONAL, vec![filter, appended, so_far]);
+    let v = element(helper, 1);
+    let step = bind(helper, value, v, step);
+    let i = element(helper, 0);
+    let step = bind(helper, index, i, step);
+    let range = call(helper, "@enumerate", vec![list]);
+    let init = helper.next_expr(Expr::List(ListExpr::new(Vec::new())));
+    let always = helper.next_expr(Expr::Literal(LiteralValue::Boolean(true.into())));
+    let result = ident(helper, accu);
+    Ok(Some(helper.next_expr(Expr::Comprehension(Box::new(
+        ComprehensionExpr {
+            iter_range: range,
+            iter_var: "@pair".into(),
+            iter_var2: None,
+            accu_var: accu.into(),
+            accu_init: init,
+            loop_cond: always,
+            loop_step: step,
+            result,
+        },
+    )))))
+}
+
+fn enumerate(list: cel::Value) -> Result<cel::Value, cel::ExecutionError> {
+    let cel::Value::List(items) = list else {
+        return Err(cel::ExecutionError::function_error("transformList", "not a list"));
+    };
+    let pairs = items
+        .iter()
+        .enumerate()
+        .map(|(i, v)| cel::Value::List(std::sync::Arc::new(vec![cel::Value::Int(i as i64), v.clone()])))
+        .collect();
+    Ok(cel::Value::List(std::sync::Arc::new(pairs)))
+}
+
+/// `jsonpatch.escapeKey` (k8s.io/apiserver/pkg/cel/library/jsonpatch.go): RFC 6901's escapes.
+fn escape_key(
+    cel::extractors::This(_): cel::extractors::This<cel::Value>,
+    key: std::sync::Arc<String>,
+) -> String {
+    key.replace('~', "~0").replace('/', "~1")
+}
+
+fn cel_to_json(v: &cel::Value) -> Json {
+    match v {
+        cel::Value::Null => Json::Null,
+        cel::Value::Bool(b) => json!(b),
+        cel::Value::Int(i) => json!(i),
+        cel::Value::UInt(u) => json!(u),
+        cel::Value::String(s) => json!(s.as_str()),
+        cel::Value::List(l) => Json::Array(l.iter().map(cel_to_json).collect()),
+        cel::Value::Map(m) => Json::Object(
+            m.map
+                .iter()
+                .map(|(k, v)| match k {
+                    cel::objects::Key::String(k) => (k.to_string(), cel_to_json(v)),
+                    other => panic!("a map key that is not a string: {other:?}"),
+                })
+                .collect(),
+        ),
+        cel::Value::Struct(s) => Json::Object(
+            s.field_values()
+                .iter()
+                .map(|(k, v)| (k.clone(), cel_to_json(&cel::Value::try_from(v.as_ref()).unwrap())))
+                .collect(),
+        ),
+        other => panic!("not JSON: {other:?}"),
+    }
+}
+
+/// Evaluates `expr` with `object` bound to `pod`.
+fn evaluate(env: &std::sync::Arc<cel::Env>, expr: &str, pod: &Json) -> cel::Value {
+    let program = env.compile(expr).unwrap_or_else(|e| panic!("{e:?}: {expr}"));
+    let mut context = cel::Context::with_env(std::sync::Arc::clone(env));
+    context.add_variable("object", pod.clone()).unwrap();
+    context.add_variable_from_value("jsonpatch", cel::Value::Null);
+    context.add_function("@enumerate", enumerate).unwrap();
+    context.add_function("escapeKey", escape_key).unwrap();
+    program
+        .execute(&context)
+        .unwrap_or_else(|e| panic!("{e:?}: {expr} on {pod}"))
+}
+
+/// JSON Patch `add` (RFC 6902) into an object member, as the API server applies it: the parent must
+/// exist.
+fn json_patch_add(doc: &mut Json, path: &str, value: Json) {
+    let tokens: Vec<String> = path
+        .strip_prefix('/')
+        .unwrap_or_else(|| panic!("{path}"))
+        .split('/')
+        .map(|t| t.replace("~1", "/").replace("~0", "~"))
+        .collect();
+    let (last, parents) = tokens.split_last().unwrap();
+    let mut at = doc;
+    for t in parents {
+        at = match at {
+            Json::Object(o) => o.get_mut(t).unwrap_or_else(|| panic!("{path}: no {t}")),
+            Json::Array(a) => a
+                .get_mut(t.parse::<usize>().unwrap())
+                .unwrap_or_else(|| panic!("{path}: no {t}")),
+            other => panic!("{path}: {other} has no {t}"),
+        };
+    }
+    at.as_object_mut()
+        .unwrap_or_else(|| panic!("{path}: not an object"))
+        .insert(last.clone(), value);
+}
+
+/// The pod as the policy leaves it, and whether the policy applied: its match condition, then each
+/// mutation in turn on what the previous one made.
+fn admit(spec: &MutatingAdmissionPolicySpec, pod: &Json) -> (Json, bool) {
+    let env = std::sync::Arc::new(admission_env());
+    for c in spec.match_conditions.iter().flatten() {
+        if evaluate(&env, &c.expression, pod) != cel::Value::Bool(true) {
+            return (pod.clone(), false);
+        }
+    }
+    let mut pod = pod.clone();
+    for m in spec.mutations.iter().flatten() {
+        let expr = m.json_patch.as_ref().unwrap().expression.as_ref().unwrap();
+        let patches = cel_to_json(&evaluate(&env, expr, &pod));
+        for p in patches.as_array().unwrap() {
+            assert_eq!(p["op"], "add", "{p}");
+            json_patch_add(&mut pod, p["path"].as_str().unwrap(), p["value"].clone());
+        }
+    }
+    (pod, true)
+}
+
+fn pod(containers: Json, init_containers: Option<Json>) -> Json {
+    let mut pod = json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p", "namespace": "default"},
+        "spec": {"containers": containers}});
+    if let Some(init) = init_containers {
+        pod["spec"]["initContainers"] = init;
+    }
+    check_typed(&pod).unwrap();
+    pod
+}
+
+#[test]
+fn the_gpu_share_policy_evaluated_gives_the_share_only_to_containers_asking_memory() {
+    let spec = gpu_share_policy();
+    let share = json!({"gpumem.io/gpu-share": "1"});
+    // One container asks memory (its requests defaulted from its limits, as the API server does before
+    // admission), one nothing, one only CPU; an init container asks memory in its limits alone.
+    let asked = pod(
+        json!([
+            {"name": "sidecar", "image": "x"},
+            {"name": "train", "image": "x", "resources": {
+                "limits": {"nvidia.com/gpu-mem": "5k"}, "requests": {"nvidia.com/gpu-mem": "5k"}}},
+            {"name": "logs", "image": "x", "resources": {"limits": {"cpu": "100m"}}}
+        ]),
+        Some(json!([
+            {"name": "setup", "image": "x"},
+            {"name": "warm", "image": "x", "resources": {"limits": {"nvidia.com/gpu-mem": "1000", "cpu": "1"}}}
+        ])),
+    );
+    let (admitted, applied) = admit(&spec, &asked);
+    assert!(applied);
+    check_typed(&admitted).unwrap();
+    let mut want = asked.clone();
+    for r in ["limits", "requests"] {
+        merge(&mut want["spec"]["containers"][1]["resources"][r], &share);
+    }
+    merge(
+        &mut want["spec"]["initContainers"][1]["resources"]["limits"],
+        &share,
+    );
+    want["spec"]["initContainers"][1]["resources"]["requests"] = share.clone();
+    assert_eq!(admitted, want);
+    // Admitted again (reinvocation): nothing more.
+    assert_eq!(admit(&spec, &admitted), (admitted.clone(), true));
+
+    // Memory asked in the requests only (the API server refuses such an extended resource later): both
+    // maps get the share, the limits made for it.
+    let requests_only = pod(
+        json!([{"name": "a", "image": "x", "resources": {"requests": {"nvidia.com/gpu-mem": "100"}}}]),
+        None,
+    );
+    let (admitted, _) = admit(&spec, &requests_only);
+    assert_eq!(admitted["spec"]["containers"][0]["resources"]["limits"], share);
+    assert_eq!(
+        admitted["spec"]["containers"][0]["resources"]["requests"],
+        json!({"nvidia.com/gpu-mem": "100", "gpumem.io/gpu-share": "1"})
+    );
+    // A share already asked is kept as it is.
+    let has_one = pod(
+        json!([{"name": "a", "image": "x", "resources": {
+            "limits": {"nvidia.com/gpu-mem": "100", "gpumem.io/gpu-share": "1"},
+            "requests": {"nvidia.com/gpu-mem": "100", "gpumem.io/gpu-share": "1"}}}]),
+        None,
+    );
+    assert_eq!(admit(&spec, &has_one), (has_one.clone(), true));
+
+    // A pod that asks no GPU memory is not matched at all, whole GPUs included.
+    for containers in [
+        json!([{"name": "a", "image": "x"}]),
+        json!([{"name": "a", "image": "x", "resources": {"limits": {"nvidia.com/gpu": "1"}}}]),
+    ] {
+        let other = pod(containers, Some(json!([{"name": "i", "image": "x"}])));
+        assert_eq!(admit(&spec, &other), (other.clone(), false));
+    }
 }

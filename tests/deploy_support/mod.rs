@@ -87,14 +87,35 @@ pub struct Rendered {
 pub const RELEASE: &str = "gpumem";
 pub const NAMESPACE: &str = "gpumem-system";
 
+/// The `.Capabilities.APIVersions` entry of the API server's MutatingAdmissionPolicy v1 (Kubernetes
+/// 1.36+), which `helm install` and `helm upgrade` list when the cluster serves it.
+pub const MUTATING_ADMISSION_POLICY_V1: &str = "admissionregistration.k8s.io/v1/MutatingAdmissionPolicy";
+
 /// Renders every template of the chart with values.yaml merged with `overrides`, as
 /// `helm template gpumem deploy/helm/gpumem -n gpumem-system` would. Panics with the template's
 /// name on any error, and on `<no value>` in the output (a value path that does not exist).
 pub fn render_chart(overrides: &Json) -> Vec<Rendered> {
-    render_chart_at(&chart_dir(), overrides).unwrap_or_else(|e| panic!("{e}"))
+    render_chart_with_apis(overrides, &[])
+}
+
+/// [`render_chart`] with `--api-versions` for each of `api_versions`: what `helm install` sees of a
+/// cluster that serves them (`group/version/Kind`).
+pub fn render_chart_with_apis(overrides: &Json, api_versions: &[&str]) -> Vec<Rendered> {
+    render_chart_at_with_apis(&chart_dir(), overrides, api_versions).unwrap_or_else(|e| panic!("{e}"))
 }
 
 pub fn render_chart_at(dir: &Path, overrides: &Json) -> Result<Vec<Rendered>, String> {
+    render_chart_at_with_apis(dir, overrides, &[])
+}
+
+/// `.Capabilities.APIVersions` holds `api_versions` only. Helm's own default list (`helm template`
+/// without --api-versions) holds the group/versions its client library knows and no kind, so a
+/// template asking for a `group/version/Kind`, as the chart's do, sees the same answer.
+pub fn render_chart_at_with_apis(
+    dir: &Path,
+    overrides: &Json,
+    api_versions: &[&str],
+) -> Result<Vec<Rendered>, String> {
     let mut values = yaml_docs(&read(&dir.join("values.yaml")), "values.yaml")
         .pop()
         .unwrap_or(json!({}));
@@ -114,6 +135,7 @@ pub fn render_chart_at(dir: &Path, overrides: &Json) -> Result<Vec<Rendered>, St
         "Release": {"Name": RELEASE, "Namespace": NAMESPACE, "Service": "Helm"},
         "Chart": {"Name": chart["name"], "Version": chart["version"], "AppVersion": chart["appVersion"]},
         "Files": files,
+        "Capabilities": {"APIVersions": api_versions},
     });
     let root = to_gtmpl(&root);
     let mut out = Vec::new();
@@ -141,8 +163,13 @@ pub fn render_text(text: &str, root: &Value) -> Result<String, String> {
         ("quote", quote),
         ("default", default),
         ("int", int),
+        (API_VERSIONS_HAS, api_versions_has),
     ]);
-    tmpl.parse(files_get(text)?).map_err(|e| e.to_string())?;
+    if text.contains(API_VERSIONS_HAS) {
+        return Err(format!("{API_VERSIONS_HAS} is not a Helm function"));
+    }
+    tmpl.parse(capabilities_has(&files_get(text)?))
+        .map_err(|e| e.to_string())?;
     tmpl.render(&Context::from(root.clone()))
         .map_err(|e| e.to_string())
 }
@@ -162,6 +189,32 @@ fn files_get(text: &str) -> Result<String, String> {
     }
     out.push_str(rest);
     Ok(out)
+}
+
+/// What `.Capabilities.APIVersions.Has` becomes: a function of the renderer, never of a template.
+const API_VERSIONS_HAS: &str = "renderer_api_versions_has";
+
+/// `.Capabilities.APIVersions.Has "x"` becomes `renderer_api_versions_has $.Capabilities.APIVersions
+/// "x"` (gtmpl cannot call a method; `$`, the root, also inside `range` and `with`).
+fn capabilities_has(text: &str) -> String {
+    text.replace(
+        ".Capabilities.APIVersions.Has ",
+        &format!("{API_VERSIONS_HAS} $.Capabilities.APIVersions "),
+    )
+}
+
+/// Helm's `VersionSet.Has`: whether the list holds the string.
+fn api_versions_has(args: &[Value]) -> Result<Value, FuncError> {
+    arg(args, 2, API_VERSIONS_HAS)?;
+    let Value::Array(list) = &args[0] else {
+        return Err(FuncError::Generic(format!("{API_VERSIONS_HAS}: not a list")));
+    };
+    let Value::String(want) = &args[1] else {
+        return Err(FuncError::Generic(format!("{API_VERSIONS_HAS}: not a string")));
+    };
+    Ok(Value::Bool(
+        list.iter().any(|v| matches!(v, Value::String(s) if s == want)),
+    ))
 }
 
 /// JSON → gtmpl. Numbers as Helm sees them (float64): integers below 1e6 print as integers; larger
