@@ -84,6 +84,16 @@ fn generated() -> Vec<(&'static str, &'static str, Json)> {
             json!({"dra": {"placement": true}}),
         ),
         (
+            "components/gpu-share/gpu-share.yaml",
+            "templates/gpu-share.yaml",
+            json!({"agent": {"memCounting": "shares"}}),
+        ),
+        (
+            "components/gpu-share/agent-config.yaml",
+            "templates/agent-configmap.yaml",
+            json!({"agent": {"memCounting": "shares"}}),
+        ),
+        (
             "components/monitoring/monitoring.yaml",
             "templates/monitoring.yaml",
             monitoring.clone(),
