@@ -88,6 +88,7 @@ start_agent() {
   cat > "$RUN_OUT/agent.yaml" <<EOF
 health: {quietPeriodSeconds: $QUIET_PERIOD, probeIntervalSeconds: 1}
 usedReportSeconds: 1
+memCounting: $MEM_COUNTING
 EOF
   KUBECONFIG=$RUN_OUT/agent.kubeconfig \
     GPUMEM_FAKE_NVML_PROFILE=$PROFILE GPUMEM_FAKE_NVML_INJECT=$RUN_OUT/nvml-inject.toml \
@@ -157,6 +158,10 @@ run_cluster() {
   export K8S_VERSION=$1
   KUBELET=$2
   KUBELET_KIND=$1/$2
+  # As the chart's agent.memCounting=auto decides: shares where the API server serves
+  # admissionregistration.k8s.io/v1 MutatingAdmissionPolicy (1.36), units before.
+  MEM_COUNTING=units
+  [ "$K8S_VERSION" == 1.24 ] || MEM_COUNTING=shares
   RUN_OUT=$OUT/$1-$2
   rm -rf "$RUN_OUT"
   mkdir -p "$RUN_OUT" "$SHIM_DEST"
@@ -172,7 +177,7 @@ run_cluster() {
   scheduler_config || { bad "scheduler configuration rendered" "see $RUN_OUT/scheduler.yaml"; return; }
   if ! KUBELET=$KUBELET SCHEDULER_CONFIG=$RUN_OUT/scheduler.yaml EXTRA_NODES=2 \
     EXTRA_NODE_TAINT=harness.local/fake-node=true:NoSchedule \
-    EXTRA_NODE_CAPACITY='{"nvidia.com/gpu":"8","nvidia.com/gpu-mem":"655360"}' \
+    EXTRA_NODE_CAPACITY='{"nvidia.com/gpu":"8","nvidia.com/gpu-mem":"655360","gpumem.io/gpu-share":"256"}' \
     "$KIT/up.sh" > "$RUN_OUT/up.log" 2>&1; then
     bad "the kit's cluster starts" "see $RUN_OUT/up.log"
     return
@@ -203,6 +208,12 @@ run_cluster() {
   k wait --for condition=established --timeout=30s crd/gpuclaims.gpumem.io > /dev/null ||
     { bad "the GPUClaim CRD is established" ""; return; }
   k create namespace "$NS" > /dev/null
+  # With shares, the policy that gives each container asking GPU memory its share (components/gpu-share).
+  if [ "$MEM_COUNTING" == shares ] &&
+    ! k apply -f "$ROOT/deploy/manifests/components/gpu-share/gpu-share.yaml" > "$RUN_OUT/gpu-share.log" 2>&1; then
+    bad "the gpu-share admission policy applies" "$(cat "$RUN_OUT/gpu-share.log")"
+    return
+  fi
 
   # API-only nodes with what an agent on an A100 and on a T4 node publishes.
   k patch node gpu-node-2 --type merge -p "$(fake_node_patch dgx-a100)" > /dev/null &&

@@ -943,15 +943,34 @@ async fn with_shares_the_node_counts_memory_and_each_container_holds_one_share_s
         .await;
     assert_eq!(usage.gpus[2].pods, ["team/p"]);
 
-    // An agent restart learns each listed share's size from its pod, not counting GPU 2 whole.
+    // An agent restart learns each listed share's size from its pod, not counting GPU 2 whole; and
+    // it warns of a pod admitted without the admission policy (memory asked, no share).
     node.pods
         .set_pods(node.pods.pods().into_iter().filter(|p| p.name == "p").collect());
+    let mut bare = pod_with_shares("bare", &[("main", "1000")], &gpus[1].id);
+    bare["spec"]["containers"][0]["resources"]["limits"] = serde_json::json!({MEM: "1000"});
+    api.set_pods(vec![
+        pod_with_shares("p", &[("a", "5000"), ("b", "12000")], &gpus[2].id),
+        bare,
+    ]);
     drop(agent);
     let _agent = node.agent_with_api("t4x4", &api, &args);
     api.wait_for("the shares' sizes after the restart", WAIT, |api| {
         usage_of(api).filter(|u| u.gpus[0].allocated_mib == 12000 && u.gpus[2].allocated_mib == 5000)
     })
     .await;
+    let warning = api
+        .wait_for("a warning of the pod without a share", WAIT, |api| {
+            api.events()
+                .into_iter()
+                .find(|e| e["reason"] == "GpuMemWithoutShare")
+        })
+        .await;
+    let note = warning["note"].as_str().unwrap_or_default();
+    assert!(
+        note.contains("pod team/bare asks nvidia.com/gpu-mem without gpumem.io/gpu-share"),
+        "{note}"
+    );
     // A sick GPU leaves the Node's memory.
     node.inject.push_xid(1, 48);
     api.wait_for("the Node's memory less GPU 1", WAIT, |api| {

@@ -38,6 +38,8 @@ const MAX_BACKOFF: Duration = Duration::from_secs(30);
 /// Between writing annotations that show more room and changing [`ROOM_FREED_LABEL`]: the scorers' node
 /// caches (watches of the same Node) see the room before kube-scheduler, woken by the label, asks them.
 const ROOM_LABEL_DELAY: Duration = Duration::from_millis(300);
+/// How often the pods of the node are checked for memory asked without a share (`memCounting: shares`).
+const SHARELESS_CHECK: Duration = Duration::from_secs(30);
 /// How often the Node's memory capacity is checked (`memCounting: shares`).
 const CAPACITY_CHECK: Duration = Duration::from_secs(30);
 /// An API call made while a pod is being admitted may take this long.
@@ -178,19 +180,75 @@ impl ApiServer {
         Ok(true)
     }
 
+    /// Takes `resource` out of the Node's capacity and allocatable if it is there: on the DRA path a
+    /// memory total left from `memCounting: shares` would offer kube-scheduler memory no plugin serves.
+    pub async fn remove_capacity(&self, resource: &str) {
+        let nodes = Api::<Node>::all(self.client.clone());
+        let has = |node: &Node| {
+            let status = node.status.as_ref();
+            let listed = |l: Option<&BTreeMap<String, _>>| l.is_some_and(|l| l.contains_key(resource));
+            listed(status.and_then(|s| s.capacity.as_ref()))
+                || listed(status.and_then(|s| s.allocatable.as_ref()))
+        };
+        match nodes.get(&self.node).await {
+            Ok(node) if has(&node) => {
+                let patch = serde_json::json!({ "status": {
+                    "capacity": { resource: null },
+                    "allocatable": { resource: null },
+                }});
+                match nodes
+                    .patch_status(&self.node, &PatchParams::default(), &Patch::Merge(&patch))
+                    .await
+                {
+                    Ok(_) => tracing::info!(%resource, "removed from the Node's capacity"),
+                    Err(err) => {
+                        tracing::warn!(error = %err, %resource, "cannot remove from the Node's capacity")
+                    }
+                }
+            }
+            Ok(_) => {}
+            Err(err) => tracing::warn!(error = %err, "cannot read the Node"),
+        }
+    }
+
     /// `memCounting: shares`: learns the size of the shares the kubelet lists that this agent did not
-    /// allocate (after its restart) from their pods' specs, every `every`.
-    pub async fn size_shares(self: Arc<Self>, state: Arc<NodeState>, every: Duration) {
+    /// allocate (after its restart) from their pods' specs, every `every`; and, every
+    /// [`SHARELESS_CHECK`], warns on the Node of each pod here with a container that asks memory but
+    /// no share (admitted without the chart's admission policy: it runs with no GPU chosen for it and
+    /// no limit).
+    pub async fn watch_shares(self: Arc<Self>, state: Arc<NodeState>, every: Duration) {
+        let Some(share) = state.shares.as_ref().map(|s| s.resource.clone()) else {
+            return;
+        };
+        let mem = state.mem_resource.clone();
+        let mut warned = std::collections::BTreeSet::new();
+        let mut last_check: Option<tokio::time::Instant> = None;
         loop {
             let unknown = state.unsized_shares();
-            if !unknown.is_empty() {
+            let check = last_check.is_none_or(|at| at.elapsed() >= SHARELESS_CHECK);
+            if !unknown.is_empty() || check {
                 match self.pods_on_node().await {
                     Ok(pods) => {
                         for (id, owner, container) in unknown {
-                            match super::share::asked_units(&pods, &owner, &container, &state.mem_resource) {
+                            match super::share::asked_units(&pods, &owner, &container, &mem) {
                                 Some(units) => state.size_share(&id, &owner, &container, units),
                                 None => {
                                     tracing::debug!(%id, %owner, %container, "a share's pod does not say its size yet")
+                                }
+                            }
+                        }
+                        if check {
+                            last_check = Some(tokio::time::Instant::now());
+                            for pod in super::share::without_share(&pods, &share, &mem) {
+                                if warned.insert(pod.clone()) {
+                                    let note = format!(
+                                        "pod {pod} asks {mem} without {share}: it was admitted without the \
+                                         admission policy that adds the share (chart: agent.memCounting, \
+                                         kustomize: components/gpu-share), so it runs with no GPU chosen for \
+                                         it and no memory limit"
+                                    );
+                                    tracing::warn!("{note}");
+                                    self.warn("GpuMemWithoutShare", note).await;
                                 }
                             }
                         }

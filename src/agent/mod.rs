@@ -184,6 +184,7 @@ async fn serve(config: AgentConfig) -> anyhow::Result<()> {
                      (NODE_NAME): neither may be missing"
                 );
             };
+            api_server.remove_capacity(&config.mem_resource).await;
             let client = api_server.client();
             let driver = Arc::new(dra::DraDriver::start(
                 &config.dra,
@@ -238,7 +239,7 @@ async fn serve(config: AgentConfig) -> anyhow::Result<()> {
                 };
                 tokio::spawn(Arc::clone(api_server).publish_capacity(Arc::clone(&state)));
                 tokio::spawn(
-                    Arc::clone(api_server).size_shares(Arc::clone(&state), config.pod_resources_poll),
+                    Arc::clone(api_server).watch_shares(Arc::clone(&state), config.pod_resources_poll),
                 );
             }
             if let (Some(api_server), Some(node)) = (&api_server, &config.node_name) {

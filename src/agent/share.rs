@@ -145,6 +145,32 @@ pub fn asked_units(pods: &[Pod], owner: &str, container: &str, mem_resource: &st
     container_units(c, mem_resource).filter(|&n| n > 0)
 }
 
+/// The pods (`namespace/name`, not ended) with a container that asks memory but no share.
+pub fn without_share(pods: &[Pod], share_resource: &str, mem_resource: &str) -> Vec<String> {
+    pods.iter()
+        .filter(|p| {
+            let phase = p.status.as_ref().and_then(|s| s.phase.as_deref());
+            !matches!(phase, Some("Succeeded" | "Failed"))
+        })
+        .filter(|p| {
+            p.spec.as_ref().is_some_and(|spec| {
+                let init = spec.init_containers.iter().flatten();
+                init.chain(&spec.containers).any(|c| {
+                    container_units(c, mem_resource).is_some_and(|n| n > 0)
+                        && container_units(c, share_resource).is_none_or(|n| n == 0)
+                })
+            })
+        })
+        .filter_map(|p| {
+            Some(format!(
+                "{}/{}",
+                p.metadata.namespace.as_deref()?,
+                p.metadata.name.as_deref()?
+            ))
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -290,6 +316,17 @@ mod tests {
         let list = listed(&[("p", &[("c", None)])]);
         let err = admitting(&list, &[bare], &BTreeSet::new(), SHARE, MEM).unwrap_err();
         assert!(err.contains("container c of ns/p") && err.contains(MEM), "{err}");
+    }
+
+    #[test]
+    fn pods_asking_memory_without_a_share_are_named() {
+        let without: Pod = serde_json::from_value(serde_json::json!({
+            "metadata": {"namespace": "ns", "name": "bare"},
+            "spec": {"containers": [{"name": "c", "resources": {"limits": {MEM: "1k"}}}]},
+        }))
+        .unwrap();
+        let pods = [pod("fine", &[("a", Some("5k")), ("b", None)], &[]), without];
+        assert_eq!(without_share(&pods, SHARE, MEM), ["ns/bare"]);
     }
 
     #[test]

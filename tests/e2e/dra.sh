@@ -129,6 +129,8 @@ EOF
   start_agent
   eventually "the agent registers with the kubelet as a DRA driver" 60 dra_registered_since "$registrations"
   eventually "the ResourceSlice shows every GPU" 30 slice_devices_are "gpu-0 gpu-1 gpu-2 gpu-3"
+  expect_eq "no nvidia.com/gpu-mem left in the Node's capacity (written while it counted shares)" "" \
+    "$(k get node "$REAL_NODE" -o 'jsonpath={.status.capacity.nvidia\.com/gpu-mem}')"
   expect_eq "each device's memory capacity" "32Gi 32Gi 15Gi 15Gi" \
     "$(k get resourceslice "$(slice_name)" -o 'jsonpath={.spec.devices[*].capacity.memory.value}')"
   expect_eq "each device shareable" "true true true true" \
