@@ -99,7 +99,7 @@ impl Enforcement {
     /// The GPU index an allocation name carries.
     pub fn gpu_index_of(allocation: &str) -> Option<u32> {
         let (index, rest) = allocation.strip_prefix('g')?.split_once('-')?;
-        if !(rest.starts_with('u') || rest.starts_with('c')) {
+        if !(rest.starts_with('u') || rest.starts_with('c') || rest.starts_with('s')) {
             return None;
         }
         index.parse().ok()
@@ -256,6 +256,10 @@ mod tests {
         let claim = Enforcement::claim_allocation_name(3, "0b1c-77");
         assert_eq!(claim, "g3-c0b1c-77");
         assert_eq!(Enforcement::gpu_index_of(&claim), Some(3));
+        assert_eq!(
+            Enforcement::gpu_index_of(&Enforcement::share_allocation_name(1, 7)),
+            Some(1)
+        );
         assert_eq!(Enforcement::gpu_index_of("g3-x1"), None);
         let (mounts, envs) = enforcement.container(&name).unwrap();
         assert_eq!(mounts.len(), 3);

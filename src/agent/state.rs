@@ -254,7 +254,8 @@ impl NodeState {
                     }
                 }
                 PendingKind::Share { slot, hold } => {
-                    all[p.gpu].shares.entry(*slot).or_insert_with(|| hold.clone());
+                    // Newer than a listing that still shows the slot's earlier holder.
+                    all[p.gpu].shares.insert(*slot, hold.clone());
                 }
             }
         }
@@ -297,7 +298,8 @@ impl NodeState {
                 PendingKind::Whole => occ[p.gpu].whole = true,
                 PendingKind::Units(units) => occ[p.gpu].units += units.len() as u64,
                 PendingKind::Share { slot, hold } => {
-                    if !inner.listed[p.gpu].shares.contains_key(slot) {
+                    let listed = inner.listed[p.gpu].shares.get(slot);
+                    if listed.is_none_or(|h| h.owner != hold.owner || h.container != hold.container) {
                         occ[p.gpu].units += self.share_units(p.gpu, hold);
                         occ[p.gpu].shares += 1;
                     }
@@ -412,18 +414,19 @@ impl NodeState {
                         );
                     }
                 }
-                PendingKind::Share { slot, hold } => {
-                    live.insert(
-                        Enforcement::share_allocation_name(index, *slot),
-                        hold.owner.clone(),
-                    );
-                }
-                PendingKind::Whole => {}
+                PendingKind::Share { .. } | PendingKind::Whole => {}
             }
         }
         for (a, allocation) in inner.listed.iter().enumerate() {
             for (&slot, hold) in &allocation.shares {
                 let name = Enforcement::share_allocation_name(self.inventory.gpus[a].index, slot);
+                live.insert(name, hold.owner.clone());
+            }
+        }
+        // After the listed ones: a slot just handed on may still be listed under its earlier holder.
+        for p in &inner.pending {
+            if let PendingKind::Share { slot, hold } = &p.kind {
+                let name = Enforcement::share_allocation_name(self.inventory.gpus[p.gpu].index, *slot);
                 live.insert(name, hold.owner.clone());
             }
         }
@@ -538,18 +541,25 @@ impl NodeState {
             let seen = match &p.kind {
                 PendingKind::Whole => !listed[p.gpu].whole.is_empty(),
                 PendingKind::Units(units) => units.iter().any(|u| listed[p.gpu].units.contains_key(u)),
-                PendingKind::Share { slot, .. } => listed[p.gpu].shares.contains_key(slot),
+                // The slot's earlier holder may still be listed: only this container's listing counts.
+                PendingKind::Share { slot, hold } => listed[p.gpu]
+                    .shares
+                    .get(slot)
+                    .is_some_and(|h| h.owner == hold.owner && h.container == hold.container),
             };
             !seen && now.duration_since(p.at) < PENDING_TTL
         });
         let Inner {
             pending, share_units, ..
         } = &mut *inner;
-        share_units.retain(|&(a, slot), _| {
-            listed[a].shares.contains_key(&slot)
-                || pending.iter().any(|p| {
-                    p.gpu == a && matches!(&p.kind, PendingKind::Share { slot: s, .. } if *s == slot)
-                })
+        // Kept while no one else holds the slot (one entry per slot at most): a kubelet that has just
+        // restarted lists no pod for a moment, and its next listing still shows the same holders.
+        share_units.retain(|&(a, slot), (owner, container, _)| {
+            let pending_here = pending.iter().any(|p| {
+                p.gpu == a && matches!(&p.kind, PendingKind::Share { slot: s, hold } if *s == slot && hold.owner == *owner)
+            });
+            pending_here
+                || listed[a].shares.get(&slot).is_none_or(|h| h.owner == *owner && h.container == *container)
         });
         let before = self.exclusion(&inner);
         let usage_changed = inner.listed != listed;
@@ -1025,13 +1035,10 @@ impl NodeState {
         }
         let same = |h: &ShareHold| h.owner == owner && h.container == container;
         let listed = inner.listed[a].shares.get(&slot);
-        if let Some(other) = listed.filter(|h| !same(h)) {
-            return Err(RequestError::Unavailable(format!(
-                "{resource}: share {id} is held by {} ({})",
-                other.owner, other.container
-            )));
-        }
-        let again = listed.is_some()
+        // The kubelet hands out a slot only when it is free: an earlier holder still in the last
+        // listing has ended, and its memory is not counted against this share.
+        let ended = listed.filter(|h| !same(h)).map_or(0, |h| self.share_units(a, h));
+        let again = listed.is_some_and(same)
             || inner.pending.iter().any(|p| {
                 p.gpu == a
                     && matches!(&p.kind, PendingKind::Share { slot: s, hold } if *s == slot && same(hold))
@@ -1043,7 +1050,7 @@ impl NodeState {
                     "GPU {index} is allocated whole; its memory cannot be shared"
                 )));
             }
-            let free = self.units_of(a).saturating_sub(occ.units);
+            let free = self.units_of(a).saturating_sub(occ.units.saturating_sub(ended));
             if free < units {
                 return Err(RequestError::Unavailable(format!(
                     "GPU {index} has {} MiB free; {owner} ({container}) asks {} MiB",
@@ -1529,6 +1536,31 @@ mod tests {
         assert!(s.pending_shares().is_empty(), "listed, no longer pending");
         assert!(s.holds_memory("default/a"));
 
+        // The slot handed on while a listing still shows its earlier holder: the new share stays
+        // pending (and live, under its new holder) until the kubelet lists it.
+        s.allocate_share(&slots(0, 0..1), "default/next", "main", 1_000)
+            .unwrap();
+        s.apply_pod_resources(&ListPodResourcesResponse {
+            pod_resources: vec![share("a", "0-s0")],
+        });
+        assert_eq!(
+            s.live_allocations().get("g0-s0").map(String::as_str),
+            Some("default/next")
+        );
+        s.apply_pod_resources(&ListPodResourcesResponse {
+            pod_resources: vec![],
+        });
+        assert_eq!(
+            s.gpu_usage()[0].allocated_mib,
+            1_000,
+            "still pending, not forgotten"
+        );
+        s.apply_pod_resources(&ListPodResourcesResponse {
+            pod_resources: vec![share("next", "0-s0")],
+        });
+        assert!(s.pending_shares().is_empty());
+        assert_eq!(s.gpu_usage()[0].allocated_mib, 1_000, "listed now, with its size");
+
         // After a restart nothing is known of a listed share but its holder: the whole GPU counts.
         let restarted = shared_state();
         restarted.apply_pod_resources(&ListPodResourcesResponse {
@@ -1557,6 +1589,14 @@ mod tests {
             1,
             "a size for another holder is ignored"
         );
+        // A kubelet that has just restarted lists nobody for a moment: the sizes survive it.
+        restarted.apply_pod_resources(&ListPodResourcesResponse {
+            pod_resources: vec![],
+        });
+        restarted.apply_pod_resources(&ListPodResourcesResponse {
+            pod_resources: vec![share("b", "2-s3")],
+        });
+        assert_eq!(restarted.gpu_usage()[2].allocated_mib, 2_000);
         // The next listing keeps the learned size; a slot passed to another pod starts unknown again.
         restarted.apply_pod_resources(&ListPodResourcesResponse {
             pod_resources: vec![share("b", "2-s3")],

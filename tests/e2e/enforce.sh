@@ -154,9 +154,8 @@ scenario_enforce_usage() {
   gpu=$(pod_gpu e-use)
   eventually "agent metrics: 4000 MiB used on its GPU (source=shim)" 15 shim_used_is "$gpu" $((4000 * MIB_BYTES))
   measured "accounting error, holding 4000 MiB (bytes)" "$(($(shim_used "$gpu") - 4000 * MIB_BYTES))"
-  # The agent names the pod once the kubelet's PodResources lists it ("(allocating)" until then), which a
-  # 1.34+ kubelet may delay (kubelet_stall).
-  eventually "the usage annotation: the pod's 5000 MiB granted on that GPU, the pod named" $((60 + $(kubelet_stall))) \
+  # The agent names the pod at Allocate (shares) or once the kubelet's PodResources lists it (units).
+  eventually "the usage annotation: the pod's 5000 MiB granted on that GPU, the pod named" 60 \
     usage_shows e-use "$gpu" "5000 True"
   # What it holds, beside what it was granted: the agent's gpumem.io/gpu-used (written at most every
   # usedReportSeconds, 1 here; 30 by default).

@@ -71,7 +71,10 @@ scenario_registration() {
     ok "the kubelet's calls to the plugin succeed (no RST_STREAM in its log)"
   fi
   eventually "scorer ready (/readyz)" 30 curl -sf "http://$SCORER_ADDR/readyz"
-  expect_contains "agent metrics: both plugins registered" 'gpumem_plugin_registered{resource="nvidia.com/gpu-mem"} 1' \
+  # The memory plugin: units of nvidia.com/gpu-mem, or the shares (nvidia.com/gpu-mem is then the Node's own).
+  local memory_plugin=nvidia.com/gpu-mem
+  [ "$MEM_COUNTING" == units ] || memory_plugin=gpumem.io/gpu-share
+  expect_contains "agent metrics: both plugins registered ($MEM_COUNTING)" "gpumem_plugin_registered{resource=\"$memory_plugin\"} 1" \
     "$(curl -s "http://$AGENT_METRICS/metrics")"
 }
 
