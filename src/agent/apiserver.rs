@@ -15,6 +15,7 @@ use kube::{Api, Client};
 
 use super::enforcement::Enforcement;
 use super::restart::Fence;
+use super::share::container_units;
 use super::state::NodeState;
 use crate::node::{
     self, AGENT_RESTARTING_ANNOTATION, ASSIGNED_AT_ANNOTATION, ASSIGNED_GPUS_ANNOTATION, ROOM_FREED_LABEL,
@@ -490,16 +491,4 @@ fn unix_millis() -> u128 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_millis())
-}
-
-/// The whole number of `resource` units a container asks for (limits, as for any extended resource),
-/// in any form the API server writes it (`5000` comes back as `5k`).
-pub(super) fn container_units(
-    container: &k8s_openapi::api::core::v1::Container,
-    resource: &str,
-) -> Option<u64> {
-    let resources = container.resources.as_ref()?;
-    let limit = resources.limits.as_ref().and_then(|m| m.get(resource));
-    let quantity = limit.or_else(|| resources.requests.as_ref().and_then(|m| m.get(resource)))?;
-    Quantity::parse(&quantity.0).and_then(|q| q.whole()).ok()
 }

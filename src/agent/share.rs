@@ -10,9 +10,9 @@ use std::collections::{BTreeSet, HashMap};
 
 use k8s_openapi::api::core::v1::{Container, Pod};
 
-use super::apiserver::container_units;
 use crate::node::{ASSIGNED_AT_ANNOTATION, ASSIGNED_GPUS_ANNOTATION};
 use crate::plugin::proto::podresources::ListPodResourcesResponse;
+use crate::quantity::Quantity;
 
 /// The container a share goes to.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -143,6 +143,15 @@ pub fn asked_units(pods: &[Pod], owner: &str, container: &str, mem_resource: &st
     let init = spec.init_containers.iter().flatten();
     let c = init.chain(&spec.containers).find(|c| c.name == container)?;
     container_units(c, mem_resource).filter(|&n| n > 0)
+}
+
+/// The whole number of `resource` units a container asks for (limits, as for any extended resource),
+/// in any form the API server writes it (`5000` comes back as `5k`).
+pub fn container_units(container: &Container, resource: &str) -> Option<u64> {
+    let resources = container.resources.as_ref()?;
+    let limit = resources.limits.as_ref().and_then(|m| m.get(resource));
+    let quantity = limit.or_else(|| resources.requests.as_ref().and_then(|m| m.get(resource)))?;
+    Quantity::parse(&quantity.0).and_then(|q| q.whole()).ok()
 }
 
 /// The pods (`namespace/name`, not ended) with a container that asks memory but no share.
