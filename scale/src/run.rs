@@ -777,6 +777,17 @@ pub struct Saturation {
     pub total_mib: u64,
     /// The simulator's metric on the real system: the share of all GPU memory left unallocated.
     pub unallocated_pct: f64,
+    /// The pods waiting unplaced at the end, by what they ask ([`waiting_kind`]): which demand ran
+    /// out of room first (a model one selector asks for fills before the cluster does).
+    pub waiting: BTreeMap<String, u64>,
+}
+
+/// What a waiting pod asks, for [`Saturation::waiting`]: its kind, and the model it selects.
+fn waiting_kind(r: &Rec) -> String {
+    match r.shape.model {
+        Some(m) => format!("{} {}", r.size.kind().as_str(), m.as_str()),
+        None => r.size.kind().as_str().to_string(),
+    }
 }
 
 /// The realistic mix's nodes.
@@ -1197,11 +1208,18 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
                 .map(|b| b.usage().gpus.iter().map(|g| g.allocated_mib).sum::<u64>())
                 .sum()
         };
+        let mut waiting = BTreeMap::new();
+        for r in lock(&world.pods).values() {
+            if r.phase == 3 && r.t1.is_none() && !r.gone {
+                *waiting.entry(waiting_kind(r)).or_insert(0) += 1;
+            }
+        }
         Some(Saturation {
             offered,
             allocated_mib,
             total_mib,
             unallocated_pct: 100.0 * (1.0 - allocated_mib as f64 / total_mib.max(1) as f64),
+            waiting,
         })
     } else {
         None
@@ -1515,6 +1533,8 @@ pub fn render(s: &Summary) -> String {
             "saturation: {} pods offered; {} of {} MiB of GPU memory allocated: {:.2}% unallocated",
             sat.offered, sat.allocated_mib, sat.total_mib, sat.unallocated_pct
         );
+        let waiting: Vec<String> = sat.waiting.iter().map(|(k, n)| format!("{n} {k}")).collect();
+        let _ = writeln!(out, "saturation: waiting at the end: {}", waiting.join(", "));
     }
     out
 }

@@ -918,7 +918,30 @@ impl Placer {
                 let why = format!("{why}; kube-scheduler's search may find what the placer's did not");
                 return self.released(client, pod, "no_room_searched", why).await;
             }
-            Err(Unplaced::NoRoom(why)) => return Ok(Decision::Done(Outcome::NoRoom(why))),
+            Err(Unplaced::NoRoom(why)) => {
+                // A pod that fits nowhere counts in the learned mix all the same (as on the extender
+                // path): the demand for a model that has filled up must not vanish from it.
+                if let Some(alt) = plans
+                    .first()
+                    .and_then(|p| p.requests.first())
+                    .and_then(|r| r.alternatives.first())
+                {
+                    let unit = candidates.first().map_or(1, |c| c.state.unit_mib.max(1));
+                    let (demand, need_mib) = match alt.need {
+                        Need::Mib(mib) => (
+                            Demand::Memory {
+                                units: mib.div_ceil(unit),
+                            },
+                            mib,
+                        ),
+                        Need::Whole(count) => (Demand::Whole { count }, 0),
+                    };
+                    learn(scorer, pod, demand, need_mib, || {
+                        place::models_taken(&candidates, alt, &selects)
+                    });
+                }
+                return Ok(Decision::Done(Outcome::NoRoom(why)));
+            }
         };
         let classes = self.known().classes.clone();
         let mut writes = Vec::new();
@@ -935,12 +958,12 @@ impl Placer {
         }
         // The learned mix counts the pod by its first pick.
         if let Some(first) = placement.picks.iter().flatten().next() {
-            let memory = plans
+            let alt = plans
                 .iter()
                 .flat_map(|p| &p.requests)
                 .flat_map(|r| &r.alternatives)
-                .find(|a| a.result_name == first.result_name)
-                .map(|a| a.need);
+                .find(|a| a.result_name == first.result_name);
+            let memory = alt.map(|a| a.need);
             let unit = candidates
                 .iter()
                 .find(|c| c.state.name == placement.node)
@@ -959,9 +982,9 @@ impl Placer {
                     0,
                 ),
             };
-            if let Ok(d) = scorer.demand_of(pod, demand) {
-                scorer.workload.observe(&d, need_mib);
-            }
+            learn(scorer, pod, demand, need_mib, || {
+                alt.and_then(|a| place::models_taken(&candidates, a, &selects))
+            });
         }
         let summary = to_place_summary(&writes, &placement.picks);
         Ok(Decision::Write {
@@ -1351,6 +1374,27 @@ pub async fn run(scorer: Arc<Scorer>, client: Client, config: DraPlacementConfig
             }
         }
         scorer.metrics.dra_leading.set(0);
+    }
+}
+
+/// Counts `pod` (once) into the scorer's learned mix, asking `demand`, restricted to the GPU models
+/// `models` names (evaluated only for a pod not counted yet: it reads every candidate's selection).
+fn learn(
+    scorer: &Scorer,
+    pod: &Pod,
+    demand: Demand,
+    need_mib: u64,
+    models: impl FnOnce() -> Option<BTreeSet<String>>,
+) {
+    let uid = pod.metadata.uid.as_deref().unwrap_or_default();
+    if uid.is_empty() || scorer.workload.counted(uid) {
+        return;
+    }
+    if let Ok(mut d) = scorer.demand_of(pod, demand) {
+        if let Some(taken) = models() {
+            d.models = Some(taken.iter().map(|n| n.to_ascii_lowercase()).collect());
+        }
+        scorer.learn(&d, need_mib);
     }
 }
 

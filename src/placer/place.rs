@@ -181,6 +181,34 @@ fn value_of(a: &DeviceAttribute) -> Option<String> {
     a.version.as_ref().map(|v| format!("v:{v}"))
 }
 
+/// The GPU models (as the agents report them) of the devices `alt`'s selectors take on `candidates`,
+/// when that is not every model they have: a pod restricted to them, whose demand the learned mix
+/// counts on those models (the policy's scarcity term). `None`: it takes some of every model.
+pub fn models_taken(
+    candidates: &[DraNode],
+    alt: &Alternative,
+    selects: &Selects,
+) -> Option<BTreeSet<String>> {
+    let mut every: BTreeSet<&str> = BTreeSet::new();
+    let mut taken: BTreeSet<String> = BTreeSet::new();
+    for c in candidates {
+        let gpus = c.state.gpus();
+        every.extend(gpus.iter().map(|g| g.model.as_str()));
+        let Ok(devices) = selects(c, alt) else { continue };
+        for d in devices {
+            let Some(index) = c.devices.get(d).and_then(|d| device_index(&d.name)) else {
+                continue;
+            };
+            if let Some(g) = gpus.iter().find(|g| g.index == index)
+                && !taken.contains(&g.model)
+            {
+                taken.insert(g.model.clone());
+            }
+        }
+    }
+    (taken.len() < every.len()).then_some(taken)
+}
+
 /// Places `plans` (the pod's claims) on one of `candidates`. `driver` qualifies attribute names.
 pub fn place(
     plans: &[ClaimPlan],
@@ -940,5 +968,25 @@ mod tests {
         assert_eq!(failing, 1);
         memo.retain(|n| n != "n");
         assert_eq!(memo.nodes(), 0, "a node gone is forgotten");
+    }
+
+    #[test]
+    fn the_models_a_request_is_restricted_to_are_those_its_selectors_take() {
+        let a = node("a", &[(V100, 32768, 0, "i0", "r0"), (T4, 15360, 0, "", "r1")]);
+        let b = node("b", &[(T4, 15360, 8000, "", "r0")]);
+        let candidates = [a, b];
+        let t4 = alt("gpu", Need::Mib(4000), &[&format!("productName={T4}")]);
+        assert_eq!(
+            models_taken(&candidates, &t4, &selects),
+            Some(BTreeSet::from([T4.to_string()]))
+        );
+        let any = alt("gpu", Need::Mib(4000), &[]);
+        assert_eq!(
+            models_taken(&candidates, &any, &selects),
+            None,
+            "every model: no restriction"
+        );
+        let none = alt("gpu", Need::Mib(4000), &["productName=H100"]);
+        assert_eq!(models_taken(&candidates, &none, &selects), Some(BTreeSet::new()));
     }
 }

@@ -390,7 +390,7 @@ impl Scorer {
             })
         });
         // Decided: the pod counts in the learned mix from the next decision on.
-        self.workload.observe(d, d.memory_mib(node.unit_mib));
+        self.learn(d, d.memory_mib(node.unit_mib));
         if let Ok(r) = &r {
             tracing::debug!(
                 gpus = ?r.gpus,

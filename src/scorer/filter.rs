@@ -65,7 +65,7 @@ impl Scorer {
                 if let Some(first) = states.first()
                     && !keep.iter().any(|k| *k)
                 {
-                    self.workload.observe(&d, d.memory_mib(first.unit_mib));
+                    self.learn(&d, d.memory_mib(first.unit_mib));
                 }
                 let shortlist = self.config.filter_shortlist;
                 if shortlist > 0 && keep.iter().filter(|k| **k).count() > shortlist {

@@ -334,6 +334,17 @@ impl Scorer {
         state::demand_of(pod, &self.rules, demand, cpu, memory)
     }
 
+    /// Counts `pod`, asking `need_mib` of one GPU where it is a memory pod, into the learned mix (once
+    /// per UID), with the models it is restricted to: the policy's scarcity term keeps a model that
+    /// such pods depend on for them, rather than filling it with pods that could run anywhere.
+    pub fn learn(&self, pod: &PodDemand, need_mib: u64) {
+        let models = pod
+            .models
+            .as_ref()
+            .and_then(|_| self.policy_cache.model_set(|m| pod.allows_model(m)));
+        self.workload.observe(pod, need_mib, models);
+    }
+
     /// The extender's ranking of `nodes` for `pod` (`None`: it does not fit there).
     pub fn rank(&self, nodes: &[Arc<NodeSnapshot>], pod: &PodDemand) -> Vec<Option<decide::Scored>> {
         let mix = self.workload.current();

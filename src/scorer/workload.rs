@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex};
 
 use super::config::ScorerConfig;
 use super::state::{Demand, PodDemand};
-use crate::alloc::{GpuDemand, MixConfig, OnlineMix, Request, TypicalMix};
+use crate::alloc::{GpuDemand, MixConfig, ModelSet, OnlineMix, Request, TypicalMix};
 
 /// Pod UIDs remembered, so that a pod ranked again (kube-scheduler retries, `bind` re-ranks) is
 /// counted once; the oldest are forgotten first.
@@ -78,8 +78,15 @@ impl Workload {
 
     /// Counts `pod` (once per UID), asking `need_mib` of one GPU where it is a memory pod (the MiB
     /// its request is on the nodes it was ranked on).
-    pub fn observe(&self, pod: &PodDemand, need_mib: u64) {
-        self.observe_request(&pod.uid, &request_of(pod, need_mib));
+    /// `models`: the models the pod is restricted to (the policy's scarcity term keeps them for
+    /// such pods), `None` = any.
+    pub fn observe(&self, pod: &PodDemand, need_mib: u64, models: Option<ModelSet>) {
+        let request = request_of(pod, need_mib);
+        let request = match models {
+            Some(set) => request.with_models(set),
+            None => request,
+        };
+        self.observe_request(&pod.uid, &request);
     }
 
     /// Counts the pod `uid` (once) asking for `request`.
@@ -119,6 +126,11 @@ impl Workload {
     }
 
     /// Pods counted so far.
+    /// Whether the pod `uid` was counted already.
+    pub fn counted(&self, uid: &str) -> bool {
+        self.lock().seen.contains(uid)
+    }
+
     pub fn seen(&self) -> u64 {
         self.lock().online.learner().seen()
     }
@@ -175,7 +187,7 @@ mod tests {
         assert!(prior.mix.all.is_empty(), "the configured mix has no 'all types'");
         let min = mix_config(&cfg).min_pods;
         for i in 0..min - 1 {
-            workload.observe(&pod(&format!("p{i}"), 7000), 7000);
+            workload.observe(&pod(&format!("p{i}"), 7000), 7000, None);
             assert_eq!(
                 workload.current().generation,
                 0,
@@ -184,9 +196,9 @@ mod tests {
             );
         }
         // Seen again (a retry, or bind ranking it once more): not counted.
-        workload.observe(&pod("p0", 7000), 7000);
+        workload.observe(&pod("p0", 7000), 7000, None);
         assert_eq!(workload.seen(), min - 1);
-        workload.observe(&pod("last", 3000), 3000);
+        workload.observe(&pod("last", 3000), 3000, None);
         let learned = workload.current();
         assert_eq!(learned.generation, 1);
         let seven = learned.mix.types.first().expect("a type");
@@ -206,14 +218,14 @@ mod tests {
     #[test]
     fn a_pod_without_uid_still_counts_and_old_uids_are_forgotten() {
         let workload = Workload::new(&ScorerConfig::default());
-        workload.observe(&pod("", 1000), 1000);
-        workload.observe(&pod("", 1000), 1000);
+        workload.observe(&pod("", 1000), 1000, None);
+        workload.observe(&pod("", 1000), 1000, None);
         assert_eq!(workload.seen(), 2);
         for i in 0..REMEMBERED_PODS + 1 {
-            workload.observe(&pod(&format!("u{i}"), 1000), 1000);
+            workload.observe(&pod(&format!("u{i}"), 1000), 1000, None);
         }
         // The first UID was forgotten: seen again, it counts again.
-        workload.observe(&pod("u0", 1000), 1000);
+        workload.observe(&pod("u0", 1000), 1000, None);
         assert_eq!(workload.seen(), 2 + REMEMBERED_PODS as u64 + 2);
     }
 

@@ -374,4 +374,60 @@ mod tests {
             assert_eq!(best, Some(winner), "{class:?}: {scored:?}");
         }
     }
+
+    /// Pods that must run on one model (a DRA selector, `gpumem.io/gpu-types`) are learned with it, so
+    /// that the policy's scarcity term has a pressure on that model: without the models in the mix
+    /// the term never acted in the scorer.
+    #[test]
+    fn a_model_that_restricted_pods_depend_on_is_learned_with_them() {
+        let cfg = ScorerConfig::default();
+        let t4 = |i| GpuSnapshot::for_tests(i, "Tesla T4", 15360, 0);
+        let a100 = |i| GpuSnapshot::for_tests(i, "NVIDIA A100-SXM4-80GB", 81920, 0);
+        let nodes = [
+            Arc::new(node("t4", (0..4).map(t4).collect())),
+            Arc::new(node("a100", (0..4).map(a100).collect())),
+        ];
+        let cache = PolicyCache::default();
+        let anywhere = pod(Demand::Memory { units: 4000 }, WorkloadClass::Offline);
+        prioritize(
+            &nodes,
+            &anywhere,
+            &cfg,
+            &cache,
+            &CurrentMix::fixed(cfg.prior_mix()),
+        );
+        // The view interned the models in the order it met them.
+        let set = cache.model_set(|m| m == "Tesla T4");
+        assert_eq!(set, Some(alloc::ModelSet::NONE.with(0)));
+        assert_eq!(cache.model_set(|_| true), None, "every model: no restriction");
+        assert_eq!(
+            cache.model_set(|_| false),
+            None,
+            "no model known: nothing to learn"
+        );
+        let mut models = alloc::ModelTable::default();
+        let ids = [models.intern("Tesla T4").unwrap(), models.intern("A100").unwrap()];
+        let cluster = alloc::Cluster::new(
+            models,
+            ids.iter()
+                .zip([15360, 81920])
+                .map(|(&m, mib)| alloc::Node::new("n", m, 64_000, 512_000, vec![alloc::Gpu::new(mib); 4]))
+                .collect(),
+        );
+        let t4_pressure = |t4_models: Option<alloc::ModelSet>| {
+            let workload = super::super::workload::Workload::new(&cfg);
+            for i in 0..400 {
+                let mut p = pod(Demand::Memory { units: 6000 }, WorkloadClass::Offline);
+                p.uid = format!("p{i}");
+                workload.observe(&p, 6000, if i % 2 == 0 { t4_models } else { None });
+            }
+            let mix = workload.current().mix;
+            assert_eq!(mix.all.iter().any(|t| t.models.is_some()), t4_models.is_some());
+            alloc::gpumem::pressure(&mix, &cluster)[0]
+        };
+        assert_eq!(t4_pressure(None), 0.0, "no pod needs a T4");
+        let pressed = t4_pressure(set);
+        // Half the demand needs the T4s, a sixth of the capacity: pressure 0.5 / (1/6) = 3.
+        assert!((pressed - 3.0).abs() < 0.3, "{pressed}");
+    }
 }

@@ -23,6 +23,26 @@ pub struct PolicyCache {
     pub(super) view: std::sync::Mutex<View>,
 }
 
+impl PolicyCache {
+    /// The models the view has seen that `allows` admits, as the policy's model set: what a pod
+    /// restricted to them adds to the learned mix, so that the policy's scarcity term keeps those
+    /// models for such pods. `None` when it admits every model seen (no restriction) or none of them.
+    pub fn model_set(&self, allows: impl Fn(&str) -> bool) -> Option<alloc::ModelSet> {
+        let view = self.view.lock().unwrap_or_else(|e| e.into_inner());
+        let table = &view.cluster.models;
+        let mut set = alloc::ModelSet::NONE;
+        let mut every = true;
+        for id in 0..table.len() as alloc::ModelId {
+            if allows(table.name(id)) {
+                set = set.with(id);
+            } else {
+                every = false;
+            }
+        }
+        (!every && set != alloc::ModelSet::NONE).then_some(set)
+    }
+}
+
 #[derive(Default)]
 pub(super) struct View {
     pub(super) cluster: Cluster,
