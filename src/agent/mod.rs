@@ -456,23 +456,25 @@ async fn serve_device_plugins(
         }),
         liveness: Arc::clone(liveness),
     };
-    let mut served = vec![config.gpu_resource.clone()];
-    plugins.spawn(registration::run(
-        plugin(ResourceKind::Whole),
-        config.device_plugin_dir.clone(),
-        GPU_SOCKET.into(),
-        shutdown_rx.clone(),
-    ));
-    let mem_bytes = devices::mem_list_bytes(&state.inventory, config.mem_unit_mib);
-    if config.mem_counting == MemCounting::Shares {
+    // Each resource its own plugin on its own socket, registered (again after a kubelet restart)
+    // until shutdown.
+    let mut register = |kind: ResourceKind, socket: &str| {
         plugins.spawn(registration::run(
-            plugin(ResourceKind::Share),
+            plugin(kind),
             config.device_plugin_dir.clone(),
-            SHARE_SOCKET.into(),
+            socket.into(),
             shutdown_rx.clone(),
         ));
+    };
+    let mut served = vec![config.gpu_resource.clone()];
+    register(ResourceKind::Whole, GPU_SOCKET);
+    if config.mem_counting == MemCounting::Shares {
+        register(ResourceKind::Share, SHARE_SOCKET);
         served.push(config.share_resource.clone());
-    } else if mem_bytes > KUBELET_MAX_RECV_BYTES {
+        return served;
+    }
+    let mem_bytes = devices::mem_list_bytes(&state.inventory, config.mem_unit_mib);
+    if mem_bytes > KUBELET_MAX_RECV_BYTES {
         let fits = devices::smallest_fitting_unit(&state.inventory).map_or_else(
             || "no unit fits".to_string(),
             |u| format!("use memUnitMiB: {u} (--mem-unit-mib {u}) or larger"),
@@ -493,12 +495,7 @@ async fn serve_device_plugins(
             api_server.warn("GpuMemUnitTooSmall", note).await;
         }
     } else {
-        plugins.spawn(registration::run(
-            plugin(ResourceKind::Memory),
-            config.device_plugin_dir.clone(),
-            MEM_SOCKET.into(),
-            shutdown_rx.clone(),
-        ));
+        register(ResourceKind::Memory, MEM_SOCKET);
         served.push(config.mem_resource.clone());
     }
     served
