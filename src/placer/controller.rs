@@ -887,13 +887,7 @@ impl Placer {
             }
             let mut out = vec![None; nodes.len()];
             for (unit, members) in by_unit {
-                let demand = match need {
-                    Need::Mib(mib) => Demand::Memory {
-                        units: mib.div_ceil(unit),
-                    },
-                    Need::Whole(count) => Demand::Whole { count },
-                };
-                let Ok(d) = scorer.demand_of(pod, demand) else {
+                let Ok(d) = scorer.demand_of(pod, demand_of(need, unit)) else {
                     continue;
                 };
                 let group: Vec<Arc<NodeSnapshot>> = members.iter().map(|&i| Arc::clone(&nodes[i])).collect();
@@ -927,16 +921,11 @@ impl Placer {
                     .and_then(|r| r.alternatives.first())
                 {
                     let unit = candidates.first().map_or(1, |c| c.state.unit_mib.max(1));
-                    let (demand, need_mib) = match alt.need {
-                        Need::Mib(mib) => (
-                            Demand::Memory {
-                                units: mib.div_ceil(unit),
-                            },
-                            mib,
-                        ),
-                        Need::Whole(count) => (Demand::Whole { count }, 0),
+                    let need_mib = match alt.need {
+                        Need::Mib(mib) => mib,
+                        Need::Whole(_) => 0,
                     };
-                    learn(scorer, pod, demand, need_mib, || {
+                    learn(scorer, pod, demand_of(alt.need, unit), need_mib, || {
                         place::models_taken(&candidates, alt, &selects)
                     });
                 }
@@ -1374,6 +1363,16 @@ pub async fn run(scorer: Arc<Scorer>, client: Client, config: DraPlacementConfig
             }
         }
         scorer.metrics.dra_leading.set(0);
+    }
+}
+
+/// What `need` asks of a node that counts memory in `unit` MiB.
+fn demand_of(need: Need, unit: u64) -> Demand {
+    match need {
+        Need::Mib(mib) => Demand::Memory {
+            units: mib.div_ceil(unit),
+        },
+        Need::Whole(count) => Demand::Whole { count },
     }
 }
 
