@@ -8,7 +8,12 @@
 //!    depend on pays `scarcity x pressure(model)` points per GPU taken. The pressure is the share of GPU
 //!    demand that must run on that model over its share of the cluster's capacity ([`pressure`]), scaled
 //!    by how fast the model fills relative to the cluster (free share of the cluster / free share of the
-//!    model). Without `gpu_spec` pods every pressure is 0 and the term vanishes.
+//!    model). Without `gpu_spec` pods every pressure is 0 and the term vanishes. Its **floor** (`fl`,
+//!    `flm`): a placement that leaves a model less free room than `flm x (share of the demand only it
+//!    serves) x (free room of the cluster)` (at most the model's part of the free room) costs `fl`
+//!    points, more than FGD's whole range: unrestricted pods go elsewhere while they can, so the model
+//!    runs out no sooner than the cluster for the pods that need it. Each GPU counts as its own model
+//!    (a node may have GPUs of several models).
 //! 3. **Reserve for multi-GPU work** (`rv`, `rx`): a placement that takes away a node's ability to host a
 //!    multi-GPU task type of the trace (idle GPUs, CPU, memory, model) pays
 //!    `reserve x popularity / (share of nodes able to host it)^rx`: a type only a few nodes can host
@@ -28,9 +33,9 @@ use rand::Rng;
 
 use super::fgd::Evaluator;
 use super::frag::{FragCache, FragModel, TypicalMix, TypicalType, frag_after};
-use super::{Candidate, Cluster, GpuMask, Policy, Request, indices};
+use super::{Candidate, Cluster, GpuMask, ModelId, ModelSet, Node, Policy, Request, indices};
 
-/// The policy's knobs, for experiments. The defaults (`ft=0.001:rv=12:rx=2:sc=10:dyn=1`, FGD's sigmoid
+/// The policy's knobs, for experiments. The defaults (`ft=0.001:rv=12:rx=2:sc=10:dyn=1:fl=100:flm=2`, FGD's sigmoid
 /// score) are the policy: what the scorer runs ([`Gpumem::new`]) and `gpumem simulate` measures as
 /// "gpumem"; only the simulator builds other tunings ([`Gpumem::with_tuning`]).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -65,6 +70,12 @@ pub struct Tuning {
     pub dynamic: bool,
     /// Exponent of the reserve term's scarcity (1 / share of able nodes).
     pub reserve_exp: f64,
+    /// The scarcity term's floor: a placement that leaves a model less free room than
+    /// `floor_margin x (share of demand only it serves) x (free room of the cluster)` costs this many
+    /// points (0: off). It keeps the room restricted pods will still need as the cluster fills.
+    pub floor: f64,
+    /// How many times its expected restricted demand a model keeps free (see `floor`).
+    pub floor_margin: f64,
 }
 
 impl Default for Tuning {
@@ -84,21 +95,54 @@ impl Default for Tuning {
             scarcity: 10.0,
             dynamic: true,
             reserve_exp: 2.0,
+            floor: 100.0,
+            floor_margin: 2.0,
         }
     }
+}
+
+/// Per model: the GPU units of `cluster` (`free`: only those free), GPU by GPU (a node may have GPUs
+/// of several models).
+pub fn units_by_model(cluster: &Cluster, free: bool) -> Vec<f64> {
+    let mut units = vec![0.0f64; cluster.models.len()];
+    for node in &cluster.nodes {
+        let of = |g: &super::Gpu| f64::from(if free { g.free } else { g.capacity });
+        if node.gpu_models.is_empty() {
+            if let Some(u) = units.get_mut(node.model as usize) {
+                *u += node.gpus.iter().map(of).sum::<f64>();
+            }
+        } else {
+            for (g, gpu) in node.gpus.iter().enumerate() {
+                if let Some(u) = units.get_mut(node.gpu_model(g) as usize) {
+                    *u += of(gpu);
+                }
+            }
+        }
+    }
+    units
 }
 
 /// Per model: the share of GPU demand (from `mix.all`) that must run on it, over its share of capacity.
 /// A type allowed on several models is apportioned by their capacity; unrestricted types count nowhere.
 pub fn pressure(mix: &TypicalMix, cluster: &Cluster) -> Vec<f64> {
-    let n = cluster.models.len();
-    let mut cap = vec![0.0f64; n];
-    for node in &cluster.nodes {
-        if let Some(c) = cap.get_mut(node.model as usize) {
-            *c += node.gpu_capacity_total() as f64;
-        }
-    }
+    let cap = units_by_model(cluster, false);
     let total_cap: f64 = cap.iter().sum();
+    restricted_share(mix, cluster, &cap)
+        .into_iter()
+        .enumerate()
+        .map(|(m, share)| {
+            if cap[m] <= 0.0 {
+                0.0
+            } else {
+                share / (cap[m] / total_cap)
+            }
+        })
+        .collect()
+}
+
+/// Per model: the share of GPU demand (from `mix.all`) that must run on it (`cap`: its capacity).
+fn restricted_share(mix: &TypicalMix, cluster: &Cluster, cap: &[f64]) -> Vec<f64> {
+    let n = cap.len();
     let whole = cluster.mean_gpu_capacity();
     let total_demand: f64 = mix
         .all
@@ -124,7 +168,7 @@ pub fn pressure(mix: &TypicalMix, cluster: &Cluster) -> Vec<f64> {
             if cap[m] <= 0.0 || total_demand <= 0.0 {
                 0.0
             } else {
-                (demand[m] / total_demand) / (cap[m] / total_cap)
+                demand[m] / total_demand
             }
         })
         .collect()
@@ -253,6 +297,11 @@ pub struct Gpumem {
     now: Vec<f64>,
     /// Capacity per model.
     model_cap: Vec<f64>,
+    /// Per model: the share of GPU demand only it serves (the floor's measure).
+    share: Vec<f64>,
+    /// Scratch: this decision's free units and floor per model.
+    free: Vec<f64>,
+    floor: Vec<f64>,
     memo: Memo,
 }
 
@@ -316,12 +365,12 @@ impl Gpumem {
         } else {
             Vec::new()
         };
-        let mut model_cap = vec![0.0; cluster.models.len()];
-        for node in &cluster.nodes {
-            if let Some(c) = model_cap.get_mut(node.model as usize) {
-                *c += node.gpu_capacity_total() as f64;
-            }
-        }
+        let model_cap = units_by_model(cluster, false);
+        let share = if opts.floor > 0.0 {
+            restricted_share(&mix, cluster, &model_cap)
+        } else {
+            Vec::new()
+        };
         let memo = Memo {
             words: reserve.len().div_ceil(64),
             ..Memo::default()
@@ -330,6 +379,9 @@ impl Gpumem {
             memo,
             now: pressure.clone(),
             model_cap,
+            free: vec![0.0; share.len()],
+            floor: vec![0.0; share.len()],
+            share,
             pressure,
             reserve,
             eval: Evaluator::new(FragModel::new(&mix, &cluster.models, opts.memory).fill(opts.fill)),
@@ -342,20 +394,30 @@ impl Gpumem {
 
 impl Gpumem {
     /// Scales each model's pressure by how fast it fills: `pressure x (free share of the cluster) /
-    /// (free share of the model)`, so a scarce model that runs out first grows dearer.
+    /// (free share of the model)`, so a scarce model that runs out first grows dearer; and sets each
+    /// model's floor (`Tuning::floor`).
     fn update_pressure(&mut self, cluster: &Cluster) {
-        // Without restricted task types every pressure is 0 whatever is free: no need to scan.
-        if self.pressure.iter().all(|&p| p == 0.0) {
+        // Without restricted task types every pressure and floor is 0 whatever is free: no need to scan.
+        let dynamic = self.opts.dynamic && self.pressure.iter().any(|&p| p != 0.0);
+        let floors = self.share.iter().any(|&s| s != 0.0);
+        if !dynamic && !floors {
             return;
         }
-        let mut free = vec![0.0f64; self.pressure.len()];
-        for node in &cluster.nodes {
-            if let Some(f) = free.get_mut(node.model as usize) {
-                *f += node.gpu_free_total() as f64;
-            }
-        }
+        let free = units_by_model(cluster, true);
         let total_free: f64 = free.iter().sum();
         let total_cap: f64 = self.model_cap.iter().sum();
+        if floors {
+            for (m, floor) in self.floor.iter_mut().enumerate() {
+                // Never more than the model's part of the free room: a model most restricted demand
+                // needs would otherwise be kept from every other pod.
+                let part = self.model_cap[m] / total_cap;
+                *floor = (self.opts.floor_margin * self.share[m]).min(part) * total_free;
+                self.free[m] = free[m];
+            }
+        }
+        if !dynamic {
+            return;
+        }
         for (m, now) in self.now.iter_mut().enumerate() {
             let base = self.pressure[m];
             *now = if base == 0.0 || total_free <= 0.0 || self.model_cap[m] <= 0.0 {
@@ -376,9 +438,7 @@ impl Gpumem {
         out: &mut Vec<Candidate>,
     ) {
         out.clear();
-        if self.opts.dynamic {
-            self.update_pressure(cluster);
-        }
+        self.update_pressure(cluster);
         self.eval.sync(cluster, nodes.clone());
         if let Some((m, cache, _, _)) = self.second.as_mut() {
             cache.follow(m, cluster, nodes.clone(), &self.eval.cache);
@@ -455,6 +515,46 @@ impl Gpumem {
         });
     }
 
+    /// The floor's points for taking `taken` units of `model` (`Tuning::floor`).
+    #[inline]
+    fn floor_cost(&self, model: ModelId, taken: f64) -> f64 {
+        match (self.free.get(model as usize), self.floor.get(model as usize)) {
+            (Some(&free), Some(&floor)) if floor > 0.0 && free - taken < floor => self.opts.floor,
+            _ => 0.0,
+        }
+    }
+
+    /// The scarcity and floor terms of `piece` on a node of several models, each model charged for
+    /// the units taken of its GPUs.
+    fn model_costs(&self, node: &Node, piece: &Piece) -> f64 {
+        // A share takes `taken` of its one GPU; whole GPUs take their capacity.
+        let shared = matches!(self.memo.req, Some(r) if matches!(r.gpu, super::GpuDemand::Shared { .. }));
+        let mut cost = 0.0;
+        let mut seen = ModelSet::NONE;
+        for g in piece.gpus.iter() {
+            let m = node.gpu_model(g);
+            if seen.contains(m) {
+                continue;
+            }
+            seen = seen.with(m);
+            let taken: f64 = if shared {
+                piece.taken
+            } else {
+                piece
+                    .gpus
+                    .iter()
+                    .filter(|&h| node.gpu_model(h) == m)
+                    .map(|h| f64::from(node.gpus[h].capacity))
+                    .sum()
+            };
+            if let Some(p) = self.now.get(m as usize) {
+                cost += p * taken / self.unit;
+            }
+            cost += self.floor_cost(m, taken);
+        }
+        cost
+    }
+
     /// Scores node `i`'s memoized placements into `out`: the node-local parts plus this decision's
     /// scarcity, in the order the terms were always added (so the sums are the same to the bit).
     fn replay(&self, cluster: &Cluster, i: usize, out: &mut Vec<Candidate>) {
@@ -463,12 +563,18 @@ impl Gpumem {
         if len == 0 {
             return;
         }
-        let pressure = self.now.get(cluster.nodes[i].model as usize);
+        let node = &cluster.nodes[i];
+        let pressure = self.now.get(node.model as usize);
         for k in start..start + len {
             let piece = memo.pieces[k];
             let mut score = piece.base;
-            if let Some(p) = pressure {
-                score -= p * piece.taken / self.unit;
+            if !node.gpu_models.is_empty() {
+                score -= self.model_costs(node, &piece);
+            } else {
+                if let Some(p) = pressure {
+                    score -= p * piece.taken / self.unit;
+                }
+                score -= self.floor_cost(node.model, piece.taken);
             }
             for (w, &word) in memo.broken[k * memo.words..(k + 1) * memo.words]
                 .iter()
@@ -907,6 +1013,110 @@ mod tests {
         assert_eq!(out.iter().map(|x| x.node).collect::<Vec<_>>(), vec![1]);
         p.score_nodes(&c, &[0], &req, &mut rng(), &mut out);
         assert!((out[0].score - fresh[0] - 1000.0).abs() < 1e-9);
+    }
+
+    /// A T4 node (model 0, 4 x 15360 MiB) nearly full, an idle A100 node (model 1), and a mix where a
+    /// tenth of the demand (4000 MiB shares) runs only on the T4.
+    fn t4s_nearly_full() -> (Cluster, ModelSet, TypicalMix) {
+        let mut c = cluster(vec![]);
+        let a100 = c.models.intern("A100").expect("intern");
+        let mut t4 = Node::new("t4", 0, 64_000, 256_000, vec![Gpu::new(15_360); 4]);
+        for g in &mut t4.gpus {
+            g.free = 0;
+        }
+        t4.gpus[0].free = 4000;
+        c.nodes.push(t4);
+        c.nodes.push(Node::new(
+            "a100",
+            a100,
+            64_000,
+            256_000,
+            vec![Gpu::new(81_920); 2],
+        ));
+        let only_t4 = ModelSet::NONE.with(0);
+        let mut m = mix();
+        m.all = vec![
+            typ(1000, GpuDemand::Shared { amount: 4000 }, None, 0.9),
+            typ(1000, GpuDemand::Shared { amount: 4000 }, Some(only_t4), 0.1),
+        ];
+        (c, only_t4, m)
+    }
+
+    #[test]
+    fn the_floor_keeps_the_room_restricted_pods_still_need() {
+        let (c, only_t4, m) = t4s_nearly_full();
+        let share = Request::shared(1000, 0, 4000);
+        let no_floor = Tuning {
+            floor: 0.0,
+            ..Tuning::default()
+        };
+        let w = winner(&mut Gpumem::with_tuning(&m, &c, no_floor), &c, &share);
+        assert_eq!(w.node, 0, "without the floor the share closes the T4's gap");
+        let w = winner(&mut Gpumem::new(&m, &c), &c, &share);
+        assert_eq!(
+            w.node, 1,
+            "the T4's last 4000 MiB are below what its restricted pods will need"
+        );
+        // The restricted pod itself still gets the T4: its only candidate pays the same floor.
+        let w = winner(&mut Gpumem::new(&m, &c), &c, &share.with_models(only_t4));
+        assert_eq!(w.node, 0);
+        // Soft: with the A100s full, the unrestricted share takes the T4 after all.
+        let mut full = c.clone();
+        for g in &mut full.nodes[1].gpus {
+            g.free = 0;
+        }
+        assert_eq!(winner(&mut Gpumem::new(&m, &full), &full, &share).node, 0);
+    }
+
+    #[test]
+    fn the_floor_keeps_no_more_than_the_models_part_of_the_free_room() {
+        // All the demand needs the T4: keeping twice its share free would keep every T4 from every
+        // other pod. The floor is the T4's part of the free room at most, so a T4 filling no faster
+        // than the cluster is taken freely.
+        let (mut c, _, mut m) = t4s_nearly_full();
+        m.all[1].popularity = 0.9;
+        m.all[0].popularity = 0.1;
+        c.nodes[0].gpus[0].free = 15_360;
+        c.nodes[0].gpus[1].free = 15_360;
+        c.nodes[1].gpus[0].free = 0;
+        let mut p = Gpumem::new(&m, &c);
+        let mut out = Vec::new();
+        p.score(&c, &Request::shared(1000, 0, 4000), &mut rng(), &mut out);
+        let part = 61_440.0 / (61_440.0 + 163_840.0);
+        let free = 2.0 * 15_360.0 + 81_920.0;
+        assert!((p.floor[0] - part * free).abs() < 1e-6, "{:?}", p.floor);
+        assert_eq!(p.floor[1], 0.0, "no pod needs the A100");
+    }
+
+    #[test]
+    fn a_node_of_two_models_charges_each_gpu_as_its_model() {
+        // "mixed": an A100 (position 0) and a T4 (position 1, 4000 MiB free); the T4 node is full.
+        let (mut c, _, m) = t4s_nearly_full();
+        c.nodes[0].gpus[0].free = 0;
+        c.nodes[1].gpus = vec![Gpu::new(81_920), Gpu::new(15_360)];
+        c.nodes[1].gpus[1].free = 4000;
+        c.nodes[1].gpu_models = vec![1, 0];
+        let cap = units_by_model(&c, false);
+        assert_eq!(cap, vec![4.0 * 15_360.0 + 15_360.0, 81_920.0]);
+        assert_eq!(units_by_model(&c, true), vec![4000.0, 81_920.0]);
+        let share = Request::shared(1000, 0, 4000);
+        let no_floor = Tuning {
+            floor: 0.0,
+            scarcity: 0.0,
+            ..Tuning::default()
+        };
+        let w = winner(&mut Gpumem::with_tuning(&m, &c, no_floor), &c, &share);
+        assert_eq!(
+            (w.node, w.gpus),
+            (1, GpuMask::single(1)),
+            "FGD closes the T4's gap"
+        );
+        let w = winner(&mut Gpumem::new(&m, &c), &c, &share);
+        assert_eq!(
+            (w.node, w.gpus),
+            (1, GpuMask::single(0)),
+            "the T4 of the mixed node is kept for the T4 pods"
+        );
     }
 
     #[test]

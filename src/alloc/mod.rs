@@ -274,7 +274,10 @@ impl Request {
 #[derive(Debug, Clone, PartialEq)]
 pub struct Node {
     pub name: String,
+    /// The node's model: its GPUs' (the first GPU's on a node of several models).
     pub model: ModelId,
+    /// Each GPU's model on a node of several models (a `mixed` node); empty when all are `model`.
+    pub gpu_models: Vec<ModelId>,
     pub cpu_capacity: u64,
     pub cpu_free: u64,
     pub memory_capacity: u64,
@@ -289,6 +292,7 @@ impl Node {
         Node {
             name: name.into(),
             model,
+            gpu_models: Vec::new(),
             cpu_capacity: cpu,
             cpu_free: cpu,
             memory_capacity: memory,
@@ -296,6 +300,12 @@ impl Node {
             gpus,
             tags: Vec::new(),
         }
+    }
+
+    /// The model of GPU `g`.
+    #[inline]
+    pub fn gpu_model(&self, g: usize) -> ModelId {
+        self.gpu_models.get(g).copied().unwrap_or(self.model)
     }
 
     pub fn gpu_free_total(&self) -> u64 {

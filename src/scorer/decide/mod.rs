@@ -379,6 +379,49 @@ mod tests {
     /// that the policy's scarcity term has a pressure on that model: without the models in the mix
     /// the term never acted in the scorer.
     #[test]
+    fn a_node_of_two_models_keeps_its_view_whatever_model_the_pod_asks() {
+        // Two V100s and two T4s: a pod that may use only the T4s, then one that may use any GPU.
+        let mut gpus: Vec<GpuSnapshot> = (0..4).map(|g| gpu(g, 16384, 16384)).collect();
+        for g in &mut gpus[..2] {
+            g.model = "Tesla V100".into();
+        }
+        for g in &mut gpus[2..] {
+            g.model = "Tesla T4".into();
+        }
+        let nodes = vec![Arc::new(node("mixed", gpus))];
+        let cfg = ScorerConfig::default();
+        let cache = PolicyCache::default();
+        let mix = CurrentMix::fixed(cfg.prior_mix());
+        let any = pod(Demand::Memory { units: 4000 }, WorkloadClass::Offline);
+        let t4 = PodDemand {
+            models: Some(vec!["tesla t4".into()]),
+            ..any.clone()
+        };
+        let scored = prioritize(&nodes, &t4, &cfg, &cache, &mix);
+        let on = scored[0].as_ref().map(|s| s.gpus.iter().collect::<Vec<_>>());
+        assert!(matches!(on.as_deref(), Some([2] | [3])), "a T4: {on:?}");
+        let shape = |cache: &PolicyCache| cache.view.lock().map(|v| v.shape).unwrap_or(0);
+        let (after_t4, view_node) = {
+            let v = cache.view.lock().expect("view");
+            (v.shape, v.cluster.nodes[0].clone())
+        };
+        assert_eq!(view_node.gpu_models.len(), 4, "each GPU's model");
+        assert_eq!(
+            view_node.gpu_model(0),
+            view_node.model,
+            "the node's model is its first GPU's"
+        );
+        assert_ne!(view_node.gpu_model(2), view_node.model);
+        prioritize(&nodes, &any, &cfg, &cache, &mix);
+        prioritize(&nodes, &t4, &cfg, &cache, &mix);
+        assert_eq!(
+            shape(&cache),
+            after_t4,
+            "pods asking different models do not reshape the view"
+        );
+    }
+
+    #[test]
     fn a_model_that_restricted_pods_depend_on_is_learned_with_them() {
         let cfg = ScorerConfig::default();
         let t4 = |i| GpuSnapshot::for_tests(i, "Tesla T4", 15360, 0);

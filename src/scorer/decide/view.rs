@@ -114,13 +114,22 @@ impl View {
             self.listed[at as usize] = self.calls;
             return at;
         }
+        // The node's model is its first GPU's, whatever the pod may use: it stays the same from pod to
+        // pod (a change reshapes the view). A node of several models names each GPU's.
         let model_count = self.cluster.models.len();
-        let model = fit
-            .eligible
-            .iter()
-            .next()
-            .and_then(|p| self.cluster.models.intern(&node.gpus()[p].model).ok())
+        let gpus = node.gpus();
+        let models = &mut self.cluster.models;
+        let model = gpus
+            .first()
+            .and_then(|g| models.intern(&g.model).ok())
             .unwrap_or(0);
+        let gpu_models: Vec<alloc::ModelId> = if gpus.iter().all(|g| g.model == gpus[0].model) {
+            Vec::new()
+        } else {
+            gpus.iter()
+                .map(|g| models.intern(&g.model).unwrap_or(0))
+                .collect()
+        };
         let mut same = self.cluster.models.len() == model_count;
         let at = match self.position.get(node.name.as_str()) {
             Some(&at) => at,
@@ -138,10 +147,12 @@ impl View {
         self.listed[at as usize] = self.calls;
         let v = &mut self.cluster.nodes[at as usize];
         same &= v.model == model
+            && v.gpu_models == gpu_models
             && v.cpu_capacity == cpu
             && v.memory_capacity == memory
             && v.gpus.len() == node.gpus().len();
         v.model = model;
+        v.gpu_models = gpu_models;
         (v.cpu_capacity, v.cpu_free) = (cpu, cpu);
         (v.memory_capacity, v.memory_free) = (memory, memory);
         v.gpus.resize(node.gpus().len(), Gpu { capacity: 0, free: 0 });
