@@ -72,7 +72,8 @@ pub struct Tuning {
     pub reserve_exp: f64,
     /// The scarcity term's floor: a placement that leaves a model less free room than
     /// `floor_margin x (share of demand only it serves) x (free room of the cluster)` costs this many
-    /// points (0: off). It keeps the room restricted pods will still need as the cluster fills.
+    /// points (0: off, as with `scarcity` 0). It keeps the room restricted pods will still need as the
+    /// cluster fills.
     pub floor: f64,
     /// How many times its expected restricted demand a model keeps free (see `floor`).
     pub floor_margin: f64,
@@ -366,7 +367,8 @@ impl Gpumem {
             Vec::new()
         };
         let model_cap = units_by_model(cluster, false);
-        let share = if opts.floor > 0.0 {
+        // Part of the scarcity term: `sc=0` turns both off.
+        let share = if opts.floor > 0.0 && opts.scarcity > 0.0 {
             restricted_share(&mix, cluster, &model_cap)
         } else {
             Vec::new()
