@@ -414,8 +414,8 @@ impl Gpumem {
                 // needs would otherwise be kept from every other pod.
                 let part = self.model_cap[m] / total_cap;
                 *floor = (self.opts.floor_margin * self.share[m]).min(part) * total_free;
-                self.free[m] = free[m];
             }
+            self.free.clone_from(&free);
         }
         if !dynamic {
             return;
