@@ -43,6 +43,7 @@ source "$ROOT/tests/e2e/scenarios.sh"
 source "$ROOT/tests/e2e/dra.sh"
 source "$ROOT/tests/e2e/placement.sh"
 source "$ROOT/tests/e2e/placer.sh"
+source "$ROOT/tests/e2e/preempt.sh"
 source "$ROOT/tests/e2e/enforce.sh"
 
 NS=e2e

@@ -17,11 +17,12 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use k8s_openapi::api::coordination::v1::Lease;
-use k8s_openapi::api::core::v1::{Node, Pod};
+use k8s_openapi::api::core::v1::{Node, ObjectReference, Pod};
+use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::api::resource::v1::{
     AllocationResult, Device, DeviceClass, ResourceClaim, ResourceClaimConsumerReference, ResourceSlice,
 };
-use kube::api::{Patch, PatchParams, PostParams};
+use kube::api::{DeleteParams, EvictParams, ListParams, Patch, PatchParams, PostParams, Preconditions};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::watcher;
 use kube::{Api, Client};
@@ -33,11 +34,14 @@ use super::claims::{
 };
 use super::nodes::{NodeFacts, PodRules};
 use super::place::{self, DraNode, Ranked, SelectionMemo, Unplaced};
+use super::victims::{self, Holder};
 use crate::lease;
 use crate::scorer::Scorer;
 use crate::scorer::config::DraPlacementConfig;
 use crate::scorer::ledger::{self, Reservation};
+use crate::scorer::pods::PodRecord;
 use crate::scorer::state::{Demand, NodeSnapshot};
+use crate::scorer::victims::selector_matches;
 
 /// The finalizer kube-scheduler puts on a claim it allocates: with it, the resource claim controller
 /// clears the allocation once no pod uses the claim, as for kube-scheduler's own.
@@ -287,6 +291,47 @@ struct Known {
     unschedulable: HashMap<String, (Pod, std::time::Instant)>,
     /// The last reason each pod was not placed, so an unchanged one is not logged again.
     waiting: HashMap<String, String>,
+    /// Pods that preempted others, by UID: the room held for each while its victims end.
+    nominated: HashMap<String, Nomination>,
+}
+
+/// The room held for a pod that preempted others ([`super::victims`]), as kube-scheduler nominates a
+/// node: until the victims' claims are given back, pods of no higher priority do not take its GPUs.
+struct Nomination {
+    node: String,
+    /// The GPUs (NVML indices) the victims held.
+    gpus: Vec<u32>,
+    priority: i32,
+    /// The victims (`namespace/name`, their shares' owner).
+    victims: Vec<String>,
+}
+
+impl Nomination {
+    /// The victims not ended yet: a victim has ended once its claims are deallocated (`shares`, the
+    /// node's) and its agent no longer reports it (`report`): only then is its room free.
+    fn victims_left(&self, shares: &[&AllocatedShare], report: Option<&NodeSnapshot>) -> Vec<&str> {
+        let reported = |v: &str| {
+            report
+                .iter()
+                .flat_map(|r| r.gpus())
+                .any(|g| g.pods.iter().any(|p| p == v))
+        };
+        self.victims
+            .iter()
+            .filter(|v| shares.iter().any(|s| s.owner == **v) || reported(v))
+            .map(String::as_str)
+            .collect()
+    }
+}
+
+/// The GPUs of `node` held for pods that preempted, out of reach of the pod `uid` of `priority`: those
+/// held for another pod of no lower priority.
+fn held_from(nominated: &HashMap<String, Nomination>, node: &str, (uid, priority): (&str, i32)) -> Vec<u32> {
+    nominated
+        .iter()
+        .filter(|(other, n)| *other != uid && n.priority >= priority && n.node == node)
+        .flat_map(|(_, n)| n.gpus.iter().copied())
+        .collect()
 }
 
 /// A node's GPUs as the placer counts them, and what they were worked out from.
@@ -659,6 +704,7 @@ impl Placer {
                     known.gated.remove(&uid);
                     known.waiting.remove(&uid);
                     known.no_room.remove(&uid);
+                    known.nominated.remove(&uid);
                 }
             }
             watcher::Event::Delete(p) => {
@@ -667,6 +713,7 @@ impl Placer {
                 known.gated.remove(uid);
                 known.waiting.remove(uid);
                 known.no_room.remove(uid);
+                known.nominated.remove(uid);
             }
             watcher::Event::InitDone => {}
         }
@@ -674,14 +721,16 @@ impl Placer {
         self.changed.notify_one();
     }
 
-    /// The DRA nodes `rules` let the pod use (only `pinned`, when one of its claims is allocated
-    /// there), each as the placer counts it: the agent's report, less the claims allocated there that
-    /// the report does not show yet. Also why each other DRA node is not one.
+    /// The DRA nodes `rules` let the pod (`uid`, of `priority`) use (only `pinned`, when one of its
+    /// claims is allocated there), each as the placer counts it: the agent's report, less the claims
+    /// allocated there that the report does not show yet, less the GPUs held for pods of no lower
+    /// priority that preempted. Also why each other DRA node is not one.
     fn candidates(
         &self,
         scorer: &Scorer,
         rules: &PodRules,
         pinned: Option<&str>,
+        (uid, priority): (&str, i32),
     ) -> (Vec<DraNode>, Vec<String>) {
         let mut known = self.known();
         let known = &mut *known;
@@ -706,7 +755,11 @@ impl Placer {
                 rejected.push(format!("{name}: the agent's report is not read yet"));
                 continue;
             };
-            let state = known.counted(&name, report);
+            let mut state = known.counted(&name, report);
+            let held = held_from(&known.nominated, &name, (uid, priority));
+            if !held.is_empty() {
+                state = Arc::new(victims::hold(&state, &held));
+            }
             candidates.push(DraNode { state, devices });
         }
         (candidates, rejected)
@@ -849,7 +902,9 @@ impl Placer {
         if let Err(why) = scorer.demand_of(pod, Demand::Whole { count: 1 }) {
             return Ok(Decision::Done(Outcome::NoRoom(why)));
         }
-        let (candidates, rejected) = self.candidates(scorer, &rules, pinned.as_deref());
+        let uid = pod.metadata.uid.as_deref().unwrap_or_default();
+        let priority = pod.spec.as_ref().and_then(|s| s.priority).unwrap_or(0);
+        let (candidates, rejected) = self.candidates(scorer, &rules, pinned.as_deref(), (uid, priority));
         if candidates.is_empty() {
             let shown: Vec<&str> = rejected.iter().take(3).map(String::as_str).collect();
             return Ok(Decision::Done(Outcome::NoRoom(format!(
@@ -929,7 +984,12 @@ impl Placer {
                         place::models_taken(&candidates, alt, &selects)
                     });
                 }
-                return Ok(Decision::Done(Outcome::NoRoom(why)));
+                let fits = |node: &DraNode| {
+                    place::place(&plans, std::slice::from_ref(node), driver, &selects, &rank).is_ok()
+                };
+                return Ok(Decision::Done(
+                    self.preempt(scorer, client, pod, &candidates, &fits, why).await,
+                ));
             }
         };
         let classes = self.known().classes.clone();
@@ -981,6 +1041,140 @@ impl Placer {
             node: placement.node,
             summary,
         })
+    }
+
+    /// For a pod that fits nowhere (`why`): evicts the pods of lower priority that make room for it
+    /// on one of `candidates` ([`victims::choose`]; `fits` places its claims on one node) and holds
+    /// that room for it while they end; or says why it waits.
+    async fn preempt(
+        &self,
+        scorer: &Scorer,
+        client: &Client,
+        pod: &Pod,
+        candidates: &[DraNode],
+        fits: &(dyn Fn(&DraNode) -> bool + Sync),
+        why: String,
+    ) -> Outcome {
+        let uid = pod.metadata.uid.clone().unwrap_or_default();
+        let spec = pod.spec.as_ref();
+        let priority = spec.and_then(|s| s.priority).unwrap_or(0);
+        if spec.and_then(|s| s.preemption_policy.as_deref()) == Some("Never") {
+            return Outcome::NoRoom(why);
+        }
+        // Holders of lower priority on each node, and the records (labels) for the PDBs.
+        let mut nodes: Vec<(usize, Vec<Holder>)> = Vec::new();
+        let mut records: HashMap<String, Arc<PodRecord>> = HashMap::new();
+        {
+            let mut known = self.known();
+            if let Some(n) = known.nominated.get(&uid) {
+                let (_, shares) = known.shares.on_node(&n.node);
+                let left = n.victims_left(&shares, scorer.node_report(&n.node).as_deref());
+                if !left.is_empty() {
+                    return Outcome::NoRoom(format!(
+                        "{why}; waiting for the pods it preempted on node {} to end ({}): their GPUs are \
+                         held for it",
+                        n.node,
+                        left.join(", ")
+                    ));
+                }
+                // Its victims are gone and it still does not fit (its room went to a pod of higher
+                // priority, or was not enough): it may preempt again.
+                known.nominated.remove(&uid);
+            }
+            for (c, node) in candidates.iter().enumerate() {
+                let (_, shares) = known.shares.on_node(&node.state.name);
+                if shares.is_empty() {
+                    continue;
+                }
+                let pods = scorer.pods_on(&node.state.name);
+                let holders = victims::holders_below(priority, &shares, &pods);
+                if !holders.is_empty() {
+                    for (record, _) in pods {
+                        records.insert(record.uid.to_string(), record);
+                    }
+                    nodes.push((c, holders));
+                }
+            }
+        }
+        if nodes.is_empty() {
+            return Outcome::NoRoom(why);
+        }
+        if let Err(e) = protect(client, &mut nodes, &records).await {
+            return Outcome::NoRoom(format!("{why}; cannot preempt: {e}"));
+        }
+        let states: Vec<(&NodeSnapshot, &[Holder])> = nodes
+            .iter()
+            .map(|(c, h)| (&*candidates[*c].state, h.as_slice()))
+            .collect();
+        let chosen = victims::choose(priority, &states, |n, state| {
+            let candidate = &candidates[nodes[n].0];
+            fits(&DraNode {
+                state: Arc::new(state.clone()),
+                devices: Arc::clone(&candidate.devices),
+            })
+        });
+        let chosen = match chosen {
+            Ok(v) => v,
+            Err(no) => return Outcome::NoRoom(format!("{why}; {no}")),
+        };
+        let (c, holders) = &nodes[chosen.node];
+        let node = candidates[*c].state.name.clone();
+        let gone: Vec<&Holder> = chosen.holders.iter().map(|&h| &holders[h]).collect();
+        let key = pod_key(pod);
+        let (mut evicted, mut refused) = (Vec::new(), Vec::new());
+        for victim in &gone {
+            match evict(client, victim).await {
+                Ok(()) => {
+                    scorer.metrics.dra_preempted.inc();
+                    tracing::info!(preemptor = %key, victim = %victim.key, %node, "evicted to make GPU room");
+                    self.tell_ref(
+                        pod_reference(victim),
+                        EventType::Normal,
+                        "PreemptedForGPU",
+                        &format!("evicted by gpumem to make GPU room on node {node} for {key} (priority {priority})"),
+                    );
+                    evicted.push(victim.key.clone());
+                }
+                Err(e) => refused.push(format!("{}: {e}", victim.key)),
+            }
+        }
+        if !evicted.is_empty() {
+            let mut gpus: Vec<u32> = gone
+                .iter()
+                .flat_map(|h| h.shares.iter().map(|s| s.index))
+                .collect();
+            gpus.sort_unstable();
+            gpus.dedup();
+            self.tell(
+                pod,
+                EventType::Normal,
+                "Preempting",
+                &format!(
+                    "evicting {} on node {node} to make GPU room, held for this pod",
+                    evicted.join(", ")
+                ),
+            );
+            self.known().nominated.insert(
+                uid,
+                Nomination {
+                    node: node.clone(),
+                    gpus,
+                    priority,
+                    victims: evicted.clone(),
+                },
+            );
+        }
+        if refused.is_empty() {
+            Outcome::NoRoom(format!(
+                "{why}; preempting {} on node {node}: waits for them to end",
+                evicted.join(", ")
+            ))
+        } else {
+            Outcome::NoRoom(format!(
+                "{why}; preempting on node {node} refused: {}",
+                refused.join("; ")
+            ))
+        }
     }
 
     /// Releases `pod` to kube-scheduler unplaced, counted under `kind`.
@@ -1160,8 +1354,8 @@ impl Placer {
         }
     }
 
-    /// Decides for every gated pod, oldest first; the writes go on beside the next decisions (at most
-    /// [`WRITES_IN_FLIGHT`] at once).
+    /// Decides for every gated pod, highest priority then oldest first; the writes go on beside the
+    /// next decisions (at most [`WRITES_IN_FLIGHT`] at once).
     async fn round(self: &Arc<Self>, scorer: &Arc<Scorer>, client: &Client) {
         let mut pods: Vec<Pod> = {
             let known = self.known();
@@ -1180,10 +1374,14 @@ impl Placer {
                 .map(|(_, p)| p.clone())
                 .collect()
         };
+        // Higher priority first (kube-scheduler's queue order): a pod that preempted gets the room it
+        // freed before any pod of lower priority is looked at.
         pods.sort_by(|a, b| {
             let at = |p: &Pod| p.metadata.creation_timestamp.as_ref().map(|t| t.0);
-            at(a)
-                .cmp(&at(b))
+            let priority = |p: &Pod| p.spec.as_ref().and_then(|s| s.priority).unwrap_or(0);
+            priority(b)
+                .cmp(&priority(a))
+                .then_with(|| at(a).cmp(&at(b)))
                 .then_with(|| a.metadata.name.cmp(&b.metadata.name))
         });
         for pod in pods {
@@ -1291,6 +1489,11 @@ impl Placer {
 
     /// An Event on `pod` (failures only logged): what the placer did with it, in `kubectl describe pod`.
     fn tell(&self, pod: &Pod, type_: EventType, reason: &'static str, note: &str) {
+        self.tell_ref(kube::Resource::object_ref(pod, &()), type_, reason, note);
+    }
+
+    /// An Event on the object `reference`.
+    fn tell_ref(&self, reference: ObjectReference, type_: EventType, reason: &'static str, note: &str) {
         let Some((client, reporter)) = self.reporter.clone() else {
             return;
         };
@@ -1309,7 +1512,6 @@ impl Placer {
             action: "Place".into(),
             secondary: None,
         };
-        let reference = kube::Resource::object_ref(pod, &());
         tokio::spawn(async move {
             if let Err(e) = recorder.publish(&event, &reference).await {
                 tracing::debug!("event {reason} on pod {:?}: {e}", reference.name);
@@ -1323,6 +1525,7 @@ impl Placer {
         known.no_room.remove(uid);
         known.gated.remove(uid);
         known.waiting.remove(uid);
+        known.nominated.remove(uid);
     }
 
     /// Places while this replica leads; returns when it no longer does.
@@ -1366,6 +1569,80 @@ pub async fn run(scorer: Arc<Scorer>, client: Client, config: DraPlacementConfig
     }
 }
 
+/// Marks the holders that a PodDisruptionBudget protects: one that allows no disruption now and
+/// selects the pod (`records` has each holder's labels). The Eviction API has the last word.
+async fn protect(
+    client: &Client,
+    nodes: &mut [(usize, Vec<Holder>)],
+    records: &HashMap<String, Arc<PodRecord>>,
+) -> Result<(), String> {
+    let budgets = Api::<PodDisruptionBudget>::all(client.clone())
+        .list(&ListParams::default())
+        .await
+        .map_err(|e| format!("listing PodDisruptionBudgets: {}", api_failure(e)))?;
+    let closed: Vec<&PodDisruptionBudget> = budgets
+        .items
+        .iter()
+        .filter(|b| b.status.as_ref().and_then(|s| s.disruptions_allowed).unwrap_or(0) <= 0)
+        .collect();
+    if closed.is_empty() {
+        return Ok(());
+    }
+    for holder in nodes.iter_mut().flat_map(|(_, h)| h.iter_mut()) {
+        let Some(record) = records.get(&holder.uid) else {
+            continue;
+        };
+        let labels = record.labels();
+        holder.protected = closed.iter().any(|b| {
+            b.metadata.namespace.as_deref() == Some(record.namespace())
+                && b.spec
+                    .as_ref()
+                    .and_then(|s| s.selector.as_ref())
+                    .is_some_and(|sel| selector_matches(sel, &labels))
+        });
+    }
+    Ok(())
+}
+
+/// Evicts `victim` through the Eviction API (its PodDisruptionBudgets are checked there, and it has
+/// its grace period); one already gone counts as evicted.
+async fn evict(client: &Client, victim: &Holder) -> Result<(), String> {
+    let (namespace, name) = victim.key.split_once('/').unwrap_or(("default", &victim.key));
+    let pods: Api<Pod> = Api::namespaced(client.clone(), namespace);
+    let params = EvictParams {
+        delete_options: Some(DeleteParams {
+            preconditions: Some(Preconditions {
+                uid: Some(victim.uid.clone()),
+                resource_version: None,
+            }),
+            ..DeleteParams::default()
+        }),
+        ..EvictParams::default()
+    };
+    match pods.evict(name, &params).await {
+        Ok(_) => Ok(()),
+        Err(kube::Error::Api(s)) if s.code == 404 || s.code == 409 => Ok(()),
+        Err(kube::Error::Api(s)) if s.code == 429 => Err(format!(
+            "its PodDisruptionBudget allows no disruption now ({})",
+            s.message
+        )),
+        Err(e) => Err(api_failure(e)),
+    }
+}
+
+/// A reference to the pod `holder` is, for an Event.
+fn pod_reference(holder: &Holder) -> ObjectReference {
+    let (namespace, name) = holder.key.split_once('/').unwrap_or(("default", &holder.key));
+    ObjectReference {
+        api_version: Some("v1".into()),
+        kind: Some("Pod".into()),
+        namespace: Some(namespace.into()),
+        name: Some(name.into()),
+        uid: Some(holder.uid.clone()),
+        ..ObjectReference::default()
+    }
+}
+
 /// What `need` asks of a node that counts memory in `unit` MiB.
 fn demand_of(need: Need, unit: u64) -> Demand {
     match need {
@@ -1404,6 +1681,67 @@ mod tests {
     use crate::scorer::config::PLACEMENT_GATE;
     use crate::scorer::state::GpuSnapshot;
     use k8s_openapi::api::resource::v1::{ResourceClaimConsumerReference, ResourceClaimStatus};
+
+    #[test]
+    fn the_room_held_for_a_preemptor_is_kept_from_pods_of_no_higher_priority_until_its_victims_end() {
+        let nomination = |node: &str, gpus: Vec<u32>, priority: i32| Nomination {
+            node: node.into(),
+            gpus,
+            priority,
+            victims: vec!["ns/victim".into()],
+        };
+        let nominated: HashMap<String, Nomination> = [
+            ("online".to_string(), nomination("n1", vec![2], 1000)),
+            ("other".to_string(), nomination("n2", vec![0, 1], 10)),
+        ]
+        .into();
+        assert_eq!(
+            held_from(&nominated, "n1", ("online", 1000)),
+            Vec::<u32>::new(),
+            "its own room"
+        );
+        assert_eq!(
+            held_from(&nominated, "n1", ("later", 1000)),
+            vec![2],
+            "equal priority waits"
+        );
+        assert_eq!(held_from(&nominated, "n1", ("low", 5)), vec![2]);
+        assert_eq!(
+            held_from(&nominated, "n1", ("urgent", 2000)),
+            Vec::<u32>::new(),
+            "higher goes first"
+        );
+        assert_eq!(
+            held_from(&nominated, "n3", ("low", 5)),
+            Vec::<u32>::new(),
+            "another node"
+        );
+
+        let n = &nominated["online"];
+        let share = AllocatedShare {
+            node: "n1".into(),
+            index: 2,
+            mib: Some(8000),
+            owner: "ns/victim".into(),
+        };
+        let mut report = NodeSnapshot::with_gpus("n1", 1, vec![GpuSnapshot::for_tests(2, "T4", 15360, 8000)]);
+        assert_eq!(
+            n.victims_left(&[&share], None),
+            vec!["ns/victim"],
+            "its claim still allocated"
+        );
+        report.gpus_mut()[0].pods = vec!["ns/victim".into()];
+        assert_eq!(
+            n.victims_left(&[], Some(&report)),
+            vec!["ns/victim"],
+            "its agent still reports it"
+        );
+        report.gpus_mut()[0].pods.clear();
+        assert!(
+            n.victims_left(&[], Some(&report)).is_empty(),
+            "gone from both: its room is free"
+        );
+    }
 
     #[test]
     fn an_older_event_does_not_undo_a_newer_allocation() {

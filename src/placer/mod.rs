@@ -13,6 +13,8 @@
 //! - [`nodes`]: which nodes a pod may use (node name, selector, affinity, taints, cordon, room for its
 //!   CPU, memory and pod count), as kube-scheduler's filters decide; pure;
 //! - [`place`]: one node for all of a pod's claims and the GPUs of each request there; pure;
+//! - [`victims`]: for a pod that fits nowhere, the pods of lower priority whose room, given back,
+//!   lets it fit on one node (kube-scheduler never preempts for a gated pod); pure;
 //! - [`controller`]: the watches, the one replica that places (a Lease), the writes.
 
 pub mod cel;
@@ -20,6 +22,7 @@ pub mod claims;
 pub mod controller;
 pub mod nodes;
 pub mod place;
+pub mod victims;
 
 use std::sync::Arc;
 

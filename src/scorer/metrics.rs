@@ -14,7 +14,7 @@
 //! `gpumem_scorer_ledger_reservations`, and `gpumem_scorer_mix_pods_seen` /
 //! `gpumem_scorer_mix_generation` (the pods the typical mix was learned from, and how often it moved:
 //! generation 0 is the configured `typicalMix`), `gpumem_scorer_dra_claims_placed_total` and
-//! `gpumem_scorer_dra_leading` (placement on the DRA path: the placer, `src/placer/`). The three cluster gauges are computed when scraped (see
+//! `gpumem_scorer_dra_leading`, `gpumem_scorer_dra_preempted_total` (placement on the DRA path: the placer, `src/placer/`). The three cluster gauges are computed when scraped (see
 //! [`super::Scorer::refresh_gauges`]), at most once per [`GAUGE_PERIOD`].
 
 use std::sync::atomic::AtomicU64;
@@ -83,6 +83,8 @@ pub struct Metrics {
     pub dra_released: Family<KindLabel, Counter>,
     /// Claims the placer gave back because kube-scheduler could not schedule their pod there.
     pub dra_given_back: Counter,
+    /// Pods the DRA placer evicted to make room for a gated pod of higher priority.
+    pub dra_preempted: Counter,
 }
 
 impl Default for Metrics {
@@ -111,6 +113,7 @@ impl Metrics {
         let dra_leading = Gauge::default();
         let dra_released = Family::<KindLabel, Counter>::default();
         let dra_given_back = Counter::default();
+        let dra_preempted = Counter::default();
         registry.register(
             "gpumem_scorer_dra_released",
             "Pods with claims of gpumem's classes the placer left to kube-scheduler unplaced, by kind of reason",
@@ -120,6 +123,11 @@ impl Metrics {
             "gpumem_scorer_dra_given_back",
             "Claims the placer gave back to kube-scheduler after it found their pod unschedulable there for 30 s",
             dra_given_back.clone(),
+        );
+        registry.register(
+            "gpumem_scorer_dra_preempted",
+            "Pods the placer evicted to make GPU room for a gated pod of higher priority",
+            dra_preempted.clone(),
         );
         registry.register(
             "gpumem_scorer_dra_claims_placed",
@@ -210,6 +218,7 @@ impl Metrics {
             dra_leading,
             dra_released,
             dra_given_back,
+            dra_preempted,
         }
     }
 

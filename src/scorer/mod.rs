@@ -44,7 +44,7 @@ use self::config::ScorerConfig;
 use self::extender::{ExtenderArgs, NodeNames};
 use self::ledger::Ledger;
 use self::metrics::{Metrics, VerbLabel};
-use self::pods::PodCache;
+use self::pods::{PodCache, PodRecord};
 use self::state::{ClassRules, NodeSnapshot, PodDemand};
 
 /// A request the scorer cannot work with (HTTP 400).
@@ -358,6 +358,24 @@ impl Scorer {
         Some(pods.with_node(node, |records| {
             records.iter().filter(|r| !r.terminal).map(|r| r.requests).sum()
         }))
+    }
+
+    /// The pods bound to `node` (none without a pod cache), and whether each is of the offline class.
+    pub fn pods_on(&self, node: &str) -> Vec<(Arc<PodRecord>, bool)> {
+        let Some(pods) = self.pods.as_ref() else {
+            return Vec::new();
+        };
+        pods.with_node(node, |records| {
+            records
+                .iter()
+                .map(|r| {
+                    (
+                        Arc::clone(r),
+                        r.class(&self.rules) == state::WorkloadClass::Offline,
+                    )
+                })
+                .collect()
+        })
     }
 
     /// One decision of the DRA placer made (whatever it decided): the part of placing that is one

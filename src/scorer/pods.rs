@@ -14,7 +14,7 @@ use kube::Client;
 use kube::runtime::watcher;
 
 use super::cache::Synced;
-use super::state::{self, ClassRules, Demand};
+use super::state::{self, ClassRules, Demand, WorkloadClass};
 use crate::node::ASSIGNED_AT_ANNOTATION;
 use crate::requests::Resources;
 
@@ -40,6 +40,11 @@ pub struct PodRecord {
     pub requests: Resources,
     /// Succeeded or Failed: kube-scheduler no longer counts what it requests.
     pub terminal: bool,
+    /// Its priority (0 when the pod has none), PriorityClass and marked class: the DRA placer's
+    /// preemption takes victims of lower priority, the offline class first.
+    pub priority: i32,
+    pub priority_class: Option<Box<str>>,
+    pub marked_class: Option<WorkloadClass>,
 }
 
 impl PodRecord {
@@ -90,7 +95,24 @@ impl PodRecord {
                 .and_then(|s| s.phase.as_deref())
                 .is_some_and(|p| p == "Succeeded" || p == "Failed"),
             demand: demand.map(|d| d.demand),
+            priority: pod.spec.as_ref().and_then(|s| s.priority).unwrap_or(0),
+            priority_class: pod
+                .spec
+                .as_ref()
+                .and_then(|s| s.priority_class_name.as_deref())
+                .map(Into::into),
+            // A mark the scorer cannot read counts as online: such a pod is not preferred as a victim.
+            marked_class: state::marked_class(pod).unwrap_or(Some(WorkloadClass::Online)),
         })
+    }
+
+    /// Its class under `rules`.
+    pub fn class(&self, rules: &ClassRules) -> WorkloadClass {
+        rules.class_of(
+            self.marked_class,
+            self.priority_class.as_deref(),
+            Some(self.priority),
+        )
     }
 
     pub fn namespace(&self) -> &str {

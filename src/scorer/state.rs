@@ -532,6 +532,46 @@ pub struct ClassRules {
     pub online_min_priority: Option<i32>,
 }
 
+impl ClassRules {
+    /// The class of a pod `marked` so (or not), of PriorityClass `priority_class` and `priority`.
+    pub fn class_of(
+        &self,
+        marked: Option<WorkloadClass>,
+        priority_class: Option<&str>,
+        priority: Option<i32>,
+    ) -> WorkloadClass {
+        if let Some(class) = marked {
+            return class;
+        }
+        let by_class = priority_class.is_some_and(|c| self.online_priority_classes.iter().any(|o| o == c));
+        let by_priority = matches!((priority, self.online_min_priority), (Some(p), Some(min)) if p >= min);
+        if by_class || by_priority {
+            WorkloadClass::Online
+        } else {
+            WorkloadClass::Offline
+        }
+    }
+}
+
+/// The class a pod's label or annotation `gpumem.io/workload-class` gives it (`None`: not marked).
+pub fn marked_class(pod: &Pod) -> Result<Option<WorkloadClass>, String> {
+    let meta = &pod.metadata;
+    let value = meta
+        .labels
+        .as_ref()
+        .and_then(|l| l.get(WORKLOAD_CLASS_KEY))
+        .or_else(|| meta.annotations.as_ref().and_then(|a| a.get(WORKLOAD_CLASS_KEY)))
+        .map(|v| v.trim().to_ascii_lowercase());
+    match value.as_deref() {
+        None => Ok(None),
+        Some("online") => Ok(Some(WorkloadClass::Online)),
+        Some("offline") => Ok(Some(WorkloadClass::Offline)),
+        Some(other) => Err(format!(
+            "{WORKLOAD_CLASS_KEY}={other:?}: expected online or offline"
+        )),
+    }
+}
+
 /// The pod's effective `[gpu-mem units, whole GPUs]`: the larger of the sum over app containers and
 /// any init container.
 fn effective_requests(spec: &k8s_openapi::api::core::v1::PodSpec) -> Result<[u64; 2], String> {
@@ -615,13 +655,6 @@ pub fn demand_of(
     );
     let spec = pod.spec.as_ref();
     let annotations = meta.annotations.as_ref();
-    let labels = meta.labels.as_ref();
-    let get = |k: &str| {
-        labels
-            .and_then(|l| l.get(k))
-            .or_else(|| annotations.and_then(|a| a.get(k)))
-            .map(|v| v.trim().to_ascii_lowercase())
-    };
     let models = annotations.and_then(|a| a.get(GPU_MODELS_ANNOTATION));
     // Rejections quote the list, once per node: a list longer than any real one is refused outright.
     if let Some(v) = models.filter(|v| v.len() > MAX_MODELS_ANNOTATION_BYTES) {
@@ -651,29 +684,11 @@ pub fn demand_of(
             ));
         }
     };
-    let class = match get(WORKLOAD_CLASS_KEY).as_deref() {
-        Some("online") => WorkloadClass::Online,
-        Some("offline") => WorkloadClass::Offline,
-        Some(other) => {
-            return Err(format!(
-                "{WORKLOAD_CLASS_KEY}={other:?}: expected online or offline"
-            ));
-        }
-        None => {
-            let by_class = spec
-                .and_then(|s| s.priority_class_name.as_ref())
-                .is_some_and(|c| rules.online_priority_classes.iter().any(|o| o == c));
-            let by_priority = matches!(
-                (spec.and_then(|s| s.priority), rules.online_min_priority),
-                (Some(p), Some(min)) if p >= min
-            );
-            if by_class || by_priority {
-                WorkloadClass::Online
-            } else {
-                WorkloadClass::Offline
-            }
-        }
-    };
+    let class = rules.class_of(
+        marked_class(pod)?,
+        spec.and_then(|s| s.priority_class_name.as_deref()),
+        spec.and_then(|s| s.priority),
+    );
     Ok(PodDemand {
         key,
         uid: meta.uid.clone().unwrap_or_default(),

@@ -7,7 +7,8 @@
 # The nodes: the real one (`mixed`: gpu-0 and gpu-1 V100-SXM2-32GB NVLinked, gpu-2 and gpu-3 T4) and
 # the API-only gpu-node-3 (4 x T4, tainted harness.local/fake-node=true:NoSchedule, 8 CPUs), made a
 # DRA node here with the ResourceSlice its agent would publish (`gpumem inspect`). Runs after
-# dra_placement, with its placement policy and scorer configuration on, and turns them off at the end.
+# dra_placement, with its placement policy and scorer configuration on (dra_preempt, next, turns them
+# off at the end).
 
 DRA_SCENARIOS=${DRA_SCENARIOS/dra_uninstall/dra_placer dra_uninstall}
 FAKE_DRA_NODE=gpu-node-3
@@ -264,6 +265,5 @@ EOF
   delete_fake_pods pr-tolerates pr-cpu
   k delete resourceslice "$FAKE_DRA_NODE-$DRIVER" --ignore-not-found > /dev/null 2>&1
   eventually "the pods' claims are gone" 60 no_claims
-  placement_off
   wait_dra_idle
 }
