@@ -1086,8 +1086,8 @@ impl Placer {
                 if shares.is_empty() {
                     continue;
                 }
-                let pods = scorer.pods_on(&node.state.name);
-                let holders = victims::holders_below(priority, &shares, &pods);
+                let pods = scorer.preemptible_on(&node.state.name, priority);
+                let holders = victims::holders_of(&shares, &pods);
                 if !holders.is_empty() {
                     for (record, _) in pods {
                         records.insert(record.uid.to_string(), record);

@@ -52,19 +52,12 @@ impl Holder {
     }
 }
 
-/// The holders of `shares` (one node's) among `pods` (the pods bound there, each with whether it is of
-/// the offline class) whose priority is below `priority`. A share no bound pod holds (a claim being
-/// written, or not reserved) has no holder: it is not a victim's.
-pub fn holders_below(
-    priority: i32,
-    shares: &[&AllocatedShare],
-    pods: &[(Arc<PodRecord>, bool)],
-) -> Vec<Holder> {
+/// The holders of `shares` (one node's) among `pods` (the pods bound there that may be preempted, each
+/// with whether it is of the offline class). A share no such pod holds (a claim being written, or not
+/// reserved) has no holder: it is not a victim's.
+pub fn holders_of(shares: &[&AllocatedShare], pods: &[(Arc<PodRecord>, bool)]) -> Vec<Holder> {
     let mut out: Vec<Holder> = Vec::new();
     for (record, offline) in pods {
-        if record.priority >= priority || record.terminal {
-            continue;
-        }
         let held: Vec<AllocatedShare> = shares
             .iter()
             .filter(|s| *s.owner == *record.key)
@@ -356,6 +349,33 @@ mod tests {
         let high = [holder("high", "b", 0, 16384, 20)];
         let nodes = [(&a, low.as_slice()), (&b, high.as_slice())];
         assert_eq!(choose(1000, &nodes, fits_mib(16384)).map(|v| v.node), Ok(0));
+    }
+
+    #[test]
+    fn a_share_belongs_to_the_bound_pod_its_claim_is_reserved_for() {
+        let pod: k8s_openapi::api::core::v1::Pod = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "train", "namespace": "ns", "uid": "u-train",
+                         "labels": {"gpumem.io/preemptible": "true"}},
+            "spec": {"nodeName": "a", "priority": 1000, "containers": []}
+        }))
+        .expect("pod");
+        let record = Arc::new(PodRecord::from_pod(&pod).expect("bound"));
+        let share = |owner: &str, index: u32| AllocatedShare {
+            node: "a".into(),
+            index,
+            mib: Some(4000),
+            owner: owner.into(),
+        };
+        let (mine, theirs, unreserved) = (share("ns/train", 0), share("ns/other", 1), share("ns/claim:c", 2));
+        let holders = holders_of(&[&mine, &theirs, &unreserved], &[(record, true)]);
+        assert_eq!(holders.len(), 1);
+        let h = &holders[0];
+        assert_eq!(
+            (h.uid.as_str(), h.key.as_str(), h.priority),
+            ("u-train", "ns/train", 1000)
+        );
+        assert!(h.preemptible && h.offline && !h.protected);
+        assert_eq!(h.shares, vec![mine.clone()]);
     }
 
     #[test]

@@ -360,14 +360,16 @@ impl Scorer {
         }))
     }
 
-    /// The pods bound to `node` (none without a pod cache), and whether each is of the offline class.
-    pub fn pods_on(&self, node: &str) -> Vec<(Arc<PodRecord>, bool)> {
+    /// The pods bound to `node` that may be preempted for a pod of `priority`: marked preemptible, of
+    /// lower priority, not ended (none without a pod cache); each with whether it is of the offline class.
+    pub fn preemptible_on(&self, node: &str, priority: i32) -> Vec<(Arc<PodRecord>, bool)> {
         let Some(pods) = self.pods.as_ref() else {
             return Vec::new();
         };
         pods.with_node(node, |records| {
             records
                 .iter()
+                .filter(|r| r.preemptible && r.priority < priority && !r.terminal)
                 .map(|r| {
                     (
                         Arc::clone(r),
