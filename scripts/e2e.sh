@@ -44,6 +44,7 @@ source "$ROOT/tests/e2e/dra.sh"
 source "$ROOT/tests/e2e/placement.sh"
 source "$ROOT/tests/e2e/placer.sh"
 source "$ROOT/tests/e2e/preempt.sh"
+source "$ROOT/tests/e2e/quotas.sh"
 source "$ROOT/tests/e2e/enforce.sh"
 
 NS=e2e
@@ -113,7 +114,7 @@ stop_agent() {
 start_claims() {
   KUBECONFIG=$RUN_OUT/claims.kubeconfig POD_NAME=gpumem-claims-e2e POD_NAMESPACE=gpumem-system \
     RUST_LOG=info,gpumem=debug \
-    "$BIN/gpumem" claims controller --listen "$CLAIMS_ADDR" >> "$RUN_OUT/claims.log" 2>&1 &
+    "$BIN/gpumem" claims controller --listen "$CLAIMS_ADDR" ${CLAIMS_EXTRA:-} >> "$RUN_OUT/claims.log" 2>&1 &
   CLAIMS_PID=$!
 }
 

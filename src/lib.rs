@@ -30,6 +30,7 @@ pub mod node;
 pub mod placer;
 pub mod plugin;
 pub mod quantity;
+pub mod quota;
 pub mod requests;
 pub mod scorer;
 pub mod sim;

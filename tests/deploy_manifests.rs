@@ -84,6 +84,16 @@ fn generated() -> Vec<(&'static str, &'static str, Json)> {
             json!({"dra": {"placement": true}}),
         ),
         (
+            "components/dra-quotas/dra-quotas.yaml",
+            "templates/dra-quotas.yaml",
+            json!({"dra": {"quotas": true}}),
+        ),
+        (
+            "components/dra-quotas/claims.yaml",
+            "templates/claims.yaml",
+            json!({"dra": {"quotas": true}}),
+        ),
+        (
             "components/gpu-share/gpu-share.yaml",
             "templates/gpu-share.yaml",
             json!({"agent": {"memCounting": "shares"}}),

@@ -37,6 +37,12 @@ const CLAIMS_CALLS: &[&str] = &[
     // kube's event recorder: a new Event, or a patch of its series when it repeats
     "events.k8s.io/events:create",
     "events.k8s.io/events:patch",
+    // --dra-quotas: every claim, and the quotas named gpumem, watched; a quota's record patched
+    "resource.k8s.io/resourceclaims:list",
+    "resource.k8s.io/resourceclaims:watch",
+    "core/resourcequotas:list",
+    "core/resourcequotas:watch",
+    "core/resourcequotas:patch",
 ];
 
 fn set(list: &[&str]) -> BTreeSet<String> {

@@ -10,6 +10,7 @@
 //! - [`resource`]: the CRD's types (spec, status, printer columns);
 //! - [`policy`]: what a claim does next, pure;
 //! - [`controller`]: the watches and the API calls;
+//! - with `--dra-quotas`, the process also runs [`crate::quota`]'s controller under the same Lease;
 //! - leader election, when more than one replica runs, is [`crate::lease`]'s (shared with the
 //!   scorer's DRA placement).
 
@@ -67,6 +68,14 @@ pub struct ControllerArgs {
     /// This replica's name in the Lease (the pod's name).
     #[arg(long, env = "POD_NAME")]
     pub identity: Option<String>,
+    /// Also record on each namespace's ResourceQuota `gpumem` the GPU memory and whole GPUs its
+    /// ResourceClaims of `--dra-class` ask, which the chart's ValidatingAdmissionPolicy (`dra.quotas`)
+    /// holds new claims to (Kubernetes 1.34+: the cluster must serve resource.k8s.io/v1).
+    #[arg(long)]
+    pub dra_quotas: bool,
+    /// The DeviceClass whose claims count against the quota: gpu.<the DRA driver's name>.
+    #[arg(long, default_value = "gpu.gpumem.io")]
+    pub dra_class: String,
 }
 
 pub fn run(args: &ClaimsArgs) -> anyhow::Result<()> {
@@ -136,6 +145,9 @@ fn run_controller(args: &ControllerArgs) -> anyhow::Result<()> {
             controller: "gpumem-claims".into(),
             instance: Some(identity),
         };
+        if args.dra_quotas {
+            tokio::spawn(crate::quota::controller::run(client.clone(), args.dra_class.clone()));
+        }
         let ctx = Arc::new(Context {
             recorder: Recorder::new(client.clone(), reporter),
             client,
