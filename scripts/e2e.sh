@@ -44,6 +44,7 @@ source "$ROOT/tests/e2e/dra.sh"
 source "$ROOT/tests/e2e/placement.sh"
 source "$ROOT/tests/e2e/placer.sh"
 source "$ROOT/tests/e2e/preempt.sh"
+source "$ROOT/tests/e2e/gpuclaim-dra.sh"
 source "$ROOT/tests/e2e/quotas.sh"
 source "$ROOT/tests/e2e/enforce.sh"
 

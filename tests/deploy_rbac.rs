@@ -37,6 +37,9 @@ const CLAIMS_CALLS: &[&str] = &[
     // kube's event recorder: a new Event, or a patch of its series when it repeats
     "events.k8s.io/events:create",
     "events.k8s.io/events:patch",
+    // a claim of `path: dra`: its pod's ResourceClaimTemplate, made and deleted with the pod
+    "resource.k8s.io/resourceclaimtemplates:create",
+    "resource.k8s.io/resourceclaimtemplates:delete",
     // --dra-quotas: every claim, and the quotas named gpumem, watched; a quota's record patched
     "resource.k8s.io/resourceclaims:list",
     "resource.k8s.io/resourceclaims:watch",

@@ -19,7 +19,8 @@ use prometheus_client::registry::Registry;
 use tokio_stream::StreamExt as _;
 
 use super::policy::{self, CLAIM_LABEL, Decision, Note, Plan, PodView};
-use super::resource::GpuClaim;
+use super::resource::{ClaimPath, GpuClaim};
+use k8s_openapi::api::resource::v1::ResourceClaimTemplate;
 
 /// What the controller's reconciliations share.
 pub struct Context {
@@ -27,6 +28,8 @@ pub struct Context {
     pub recorder: Recorder,
     /// MiB per `nvidia.com/gpu-mem` unit in this cluster (the agents' `memUnitMiB`).
     pub unit_mib: u64,
+    /// The DeviceClass a claim's pod asks on the DRA path (`path: dra`): gpu.<driver>.
+    pub dra_class: String,
     pub counts: Counts,
 }
 
@@ -166,6 +169,21 @@ async fn carry_out(
             Err(e) if is_status(&e, 409) => return Ok(Action::requeue(Duration::from_secs(1))),
             Err(e) => return Err(api_error("deleting pod", pod.name.clone())(e)),
         }
+        // On the DRA path its ResourceClaimTemplate goes with it (the claim made from it goes with
+        // the pod, by the resource claim controller).
+        if plan.as_ref().is_ok_and(|p| p.path == ClaimPath::Dra) {
+            match templates(claim, ctx)
+                .delete(&pod.name, &DeleteParams::default())
+                .await
+            {
+                Ok(_) => {}
+                Err(e) if is_status(&e, 404) => {}
+                // Left behind, it costs nothing: the claim owns it, and it goes with the claim.
+                Err(e) => {
+                    tracing::warn!(claim = %claim.key(), template = %pod.name, "deleting the ResourceClaimTemplate: {e}")
+                }
+            }
+        }
     }
     let stepped = decision.status.steps.len() > claim.status.as_ref().map_or(0, |s| s.steps.len());
     if claim.status.as_ref() != Some(&decision.status) {
@@ -190,6 +208,27 @@ async fn carry_out(
     }
     if let (Some(name), Ok(plan)) = (&decision.create, plan) {
         let request = decision.status.request_mib.unwrap_or(plan.first_mib);
+        if plan.path == ClaimPath::Dra {
+            let template = policy::build_template(claim, plan, request, &ctx.dra_class);
+            match templates(claim, ctx)
+                .create(&PostParams::default(), &template)
+                .await
+            {
+                Ok(_) => {}
+                Err(e) if is_status(&e, 409) => {}
+                Err(kube::Error::Api(status)) if status.code == 422 || status.code == 403 => {
+                    let note = Note {
+                        warning: true,
+                        reason: "PodRefused",
+                        message: format!("creating ResourceClaimTemplate {name}: {}", status.message),
+                        pod: Some(name.clone()),
+                    };
+                    publish(ctx, claim, &note).await;
+                    return Ok(Action::requeue(Duration::from_secs(30)));
+                }
+                Err(e) => return Err(api_error("creating the ResourceClaimTemplate", name.clone())(e)),
+            }
+        }
         let pod = policy::build_pod(claim, plan, request, ctx.unit_mib);
         match pods.create(&PostParams::default(), &pod).await {
             Ok(_) => {
@@ -223,6 +262,11 @@ async fn carry_out(
 
 /// An Event on the claim (`kubectl describe gpuclaim` lists them), its pod as the related object; a
 /// failure is only logged.
+/// The claim's namespace's ResourceClaimTemplates.
+fn templates(claim: &GpuClaim, ctx: &Context) -> Api<ResourceClaimTemplate> {
+    Api::namespaced(ctx.client.clone(), &claim.namespace().unwrap_or_default())
+}
+
 async fn publish(ctx: &Context, claim: &GpuClaim, note: &Note) {
     let event = Event {
         type_: if note.warning {

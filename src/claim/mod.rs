@@ -73,7 +73,8 @@ pub struct ControllerArgs {
     /// holds new claims to (Kubernetes 1.34+: the cluster must serve resource.k8s.io/v1).
     #[arg(long)]
     pub dra_quotas: bool,
-    /// The DeviceClass whose claims count against the quota: gpu.<the DRA driver's name>.
+    /// The DeviceClass of gpumem's GPUs on the DRA path, gpu.<the DRA driver's name>: the class whose
+    /// claims count against the quota, and the one a GPUClaim of `path: dra` asks.
     #[arg(long, default_value = "gpu.gpumem.io")]
     pub dra_class: String,
 }
@@ -152,6 +153,7 @@ fn run_controller(args: &ControllerArgs) -> anyhow::Result<()> {
             recorder: Recorder::new(client.clone(), reporter),
             client,
             unit_mib: args.mem_unit_mib,
+            dra_class: args.dra_class.clone(),
             counts,
         });
         tracing::info!(listen = %args.listen, mem_unit_mib = args.mem_unit_mib, "gpumem claim controller running");

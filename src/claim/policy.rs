@@ -11,13 +11,19 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::{Container, Pod, PodTemplateSpec, ResourceRequirements};
+use k8s_openapi::api::core::v1::{
+    Container, Pod, PodResourceClaim, PodTemplateSpec, ResourceClaim as ContainerClaim, ResourceRequirements,
+};
+use k8s_openapi::api::resource::v1::{
+    CELDeviceSelector, CapacityRequirements, DeviceClaim, DeviceRequest, DeviceSelector, ExactDeviceRequest,
+    ResourceClaimSpec, ResourceClaimTemplate, ResourceClaimTemplateSpec,
+};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference, Time};
 use k8s_openapi::jiff::Timestamp;
 
 use super::resource::{
-    Condition, DEFAULT_MIN_MIB, GpuClaim, GpuClaimStatus, MAX_MIB, Phase, Step, WorkloadClass,
+    ClaimPath, Condition, DEFAULT_MIN_MIB, GpuClaim, GpuClaimStatus, MAX_MIB, Phase, Step, WorkloadClass,
 };
 use crate::node::ASSIGNED_GPUS_ANNOTATION;
 use crate::scorer::state::{
@@ -32,6 +38,9 @@ pub const REQUEST_LABEL: &str = "gpumem.io/claim-request-mib";
 pub const VALID: &str = "Valid";
 /// Condition: whether the claim's pod is bound to a node.
 pub const SCHEDULED: &str = "Scheduled";
+/// On the DRA path, the name of the pod's claim (in `spec.resourceClaims` and the first container's
+/// `resources.claims`).
+pub const POD_CLAIM_NAME: &str = "gpumem";
 
 /// A claim's spec, checked and with its defaults applied.
 #[derive(Debug, Clone, PartialEq)]
@@ -43,6 +52,7 @@ pub struct Plan {
     pub models: Vec<String>,
     pub preemptible: bool,
     pub class: Option<WorkloadClass>,
+    pub path: ClaimPath,
     pub template: PodTemplateSpec,
 }
 
@@ -89,7 +99,7 @@ impl Plan {
             }
         }
         let template = match serde_json::from_value::<PodTemplateSpec>(spec.template.clone()) {
-            Ok(t) => check_template(t, &mut problems),
+            Ok(t) => check_template(t, spec.path, &mut problems),
             Err(e) => {
                 problems.push(format!("template is not a pod template: {e}"));
                 PodTemplateSpec::default()
@@ -119,6 +129,7 @@ impl Plan {
             models: spec.gpu_models.iter().map(|m| m.trim().to_string()).collect(),
             preemptible: spec.preemptible,
             class: spec.workload_class,
+            path: spec.path,
             template,
         })
     }
@@ -139,7 +150,7 @@ impl Plan {
     }
 }
 
-fn check_template(t: PodTemplateSpec, problems: &mut Vec<String>) -> PodTemplateSpec {
+fn check_template(t: PodTemplateSpec, path: ClaimPath, problems: &mut Vec<String>) -> PodTemplateSpec {
     match t.spec.as_ref().map(|s| s.containers.as_slice()) {
         None | Some([]) => problems.push("template.spec has no containers".to_string()),
         Some(containers) => {
@@ -156,6 +167,16 @@ fn check_template(t: PodTemplateSpec, problems: &mut Vec<String>) -> PodTemplate
             if asks_whole {
                 problems.push(format!(
                     "template asks for {GPU_RESOURCE}: a claim asks for GPU memory only (the claim sets {GPU_MEM_RESOURCE})"
+                ));
+            }
+            let names_ours = t
+                .spec
+                .iter()
+                .flat_map(|s| s.resource_claims.iter().flatten())
+                .any(|c| c.name == POD_CLAIM_NAME);
+            if path == ClaimPath::Dra && names_ours {
+                problems.push(format!(
+                    "template has a resourceClaims entry named {POD_CLAIM_NAME:?}, the name the claim gives its own"
                 ));
             }
         }
@@ -191,11 +212,16 @@ impl PodView {
     pub fn from_pod(pod: &Pod) -> PodView {
         let meta = &pod.metadata;
         let status = pod.status.as_ref();
-        let unschedulable = status
-            .and_then(|s| s.conditions.as_ref())
-            .and_then(|cs| cs.iter().find(|c| c.type_ == "PodScheduled"))
-            .filter(|c| c.status == "False" && c.reason.as_deref() == Some("Unschedulable"))
-            .map(|c| c.message.clone().unwrap_or_default());
+        // kube-scheduler's word, or, for a pod gpumem's placer holds gated, the placer's.
+        let condition = |type_: &str, reason: &str| {
+            status
+                .and_then(|s| s.conditions.as_ref())
+                .and_then(|cs| cs.iter().find(|c| c.type_ == type_))
+                .filter(|c| c.status == "False" && c.reason.as_deref() == Some(reason))
+                .map(|c| c.message.clone().unwrap_or_default())
+        };
+        let unschedulable = condition("PodScheduled", "Unschedulable")
+            .or_else(|| condition(crate::placer::PLACED_CONDITION, "NoRoom"));
         PodView {
             name: meta.name.clone().unwrap_or_default(),
             uid: meta.uid.clone().unwrap_or_default(),
@@ -229,9 +255,13 @@ impl PodView {
 
 /// Whether kube-scheduler's message says that GPU memory is what the pod lacks somewhere: then a
 /// smaller request may fit. (Other reasons, a taint or too little CPU, a smaller request would not
-/// cure.)
+/// cure.) On the DRA path: kube-scheduler's `cannot allocate all claims`, or gpumem's placer's `no
+/// room for claim` (in its condition `gpumem.io/Placed` on the gated pods it finds no room for).
 pub fn lacks_gpu_memory(message: &str) -> bool {
-    message.contains(GPU_MEM_RESOURCE) || message.contains(" MiB")
+    message.contains(GPU_MEM_RESOURCE)
+        || message.contains(" MiB")
+        || message.contains("cannot allocate all claims")
+        || message.contains("no room for claim")
 }
 
 /// An event on the claim.
@@ -535,27 +565,115 @@ pub fn build_pod(claim: &GpuClaim, plan: &Plan, request_mib: u64, unit_mib: u64)
         annotations.insert(WORKLOAD_CLASS_KEY.to_string(), class.as_str().to_string());
     }
     let mut spec = template.spec.unwrap_or_default();
-    let units = request_mib.div_ceil(unit_mib.max(1));
-    if let Some(first) = spec.containers.first_mut() {
-        set_gpu_memory(first, units);
+    match plan.path {
+        ClaimPath::DevicePlugin => {
+            let units = request_mib.div_ceil(unit_mib.max(1));
+            if let Some(first) = spec.containers.first_mut() {
+                set_gpu_memory(first, units);
+            }
+        }
+        ClaimPath::Dra => {
+            spec.resource_claims
+                .get_or_insert_default()
+                .push(PodResourceClaim {
+                    name: POD_CLAIM_NAME.to_string(),
+                    resource_claim_template_name: Some(pod_name(&name, request_mib)),
+                    ..PodResourceClaim::default()
+                });
+            if let Some(first) = spec.containers.first_mut() {
+                first
+                    .resources
+                    .get_or_insert_default()
+                    .claims
+                    .get_or_insert_default()
+                    .push(ContainerClaim {
+                        name: POD_CLAIM_NAME.to_string(),
+                        ..ContainerClaim::default()
+                    });
+            }
+        }
     }
     Pod {
         metadata: ObjectMeta {
             name: Some(pod_name(&name, request_mib)),
             namespace: claim.metadata.namespace.clone(),
-            owner_references: Some(vec![OwnerReference {
-                api_version: "gpumem.io/v1alpha1".to_string(),
-                kind: "GPUClaim".to_string(),
-                name,
-                uid: claim.metadata.uid.clone().unwrap_or_default(),
-                controller: Some(true),
-                block_owner_deletion: Some(true),
-            }]),
+            owner_references: Some(vec![owner(claim)]),
             generate_name: None,
             ..meta
         },
         spec: Some(spec),
         status: None,
+    }
+}
+
+/// The ResourceClaimTemplate the claim's pod at `request_mib` uses on the DRA path (same name as the
+/// pod, the claim its owner): `request_mib` of one GPU of DeviceClass `class` (`gpu.<driver>`), of one
+/// of the claim's models when it names some (a CEL selector on the driver's `productName`).
+pub fn build_template(claim: &GpuClaim, plan: &Plan, request_mib: u64, class: &str) -> ResourceClaimTemplate {
+    let name = claim.metadata.name.clone().unwrap_or_default();
+    let driver = class.strip_prefix("gpu.").unwrap_or(class);
+    let selectors = (!plan.models.is_empty()).then(|| {
+        let models: Vec<String> = plan
+            .models
+            .iter()
+            .map(|m| serde_json::Value::String(m.clone()).to_string())
+            .collect();
+        vec![DeviceSelector {
+            cel: Some(CELDeviceSelector {
+                expression: format!(
+                    "device.attributes[\"{driver}\"].productName in [{}]",
+                    models.join(", ")
+                ),
+            }),
+        }]
+    });
+    let request = ExactDeviceRequest {
+        device_class_name: class.to_string(),
+        selectors,
+        capacity: Some(CapacityRequirements {
+            requests: Some(BTreeMap::from([(
+                "memory".to_string(),
+                Quantity(format!("{request_mib}Mi")),
+            )])),
+        }),
+        ..ExactDeviceRequest::default()
+    };
+    ResourceClaimTemplate {
+        metadata: ObjectMeta {
+            name: Some(pod_name(&name, request_mib)),
+            namespace: claim.metadata.namespace.clone(),
+            labels: Some(BTreeMap::from([
+                (CLAIM_LABEL.to_string(), name.clone()),
+                (REQUEST_LABEL.to_string(), request_mib.to_string()),
+            ])),
+            owner_references: Some(vec![owner(claim)]),
+            ..ObjectMeta::default()
+        },
+        spec: ResourceClaimTemplateSpec {
+            metadata: None,
+            spec: ResourceClaimSpec {
+                devices: Some(DeviceClaim {
+                    requests: Some(vec![DeviceRequest {
+                        name: "gpu".to_string(),
+                        exactly: Some(request),
+                        first_available: None,
+                    }]),
+                    ..DeviceClaim::default()
+                }),
+            },
+        },
+    }
+}
+
+/// The claim as the controlling owner of what it makes.
+fn owner(claim: &GpuClaim) -> OwnerReference {
+    OwnerReference {
+        api_version: "gpumem.io/v1alpha1".to_string(),
+        kind: "GPUClaim".to_string(),
+        name: claim.metadata.name.clone().unwrap_or_default(),
+        uid: claim.metadata.uid.clone().unwrap_or_default(),
+        controller: Some(true),
+        block_owner_deletion: Some(true),
     }
 }
 
@@ -879,5 +997,78 @@ mod tests {
             (a[PREEMPTIBLE_KEY].as_str(), a[WORKLOAD_CLASS_KEY].as_str()),
             ("true", "offline")
         );
+    }
+
+    #[test]
+    fn on_the_dra_path_the_pod_asks_through_a_claim_template_of_its_own_name() {
+        let mut c = claim(json!({"path": "dra", "gpuModels": ["Tesla T4"]}));
+        let plan = Plan::from_claim(&c).expect("valid");
+        let pod = build_pod(&c, &plan, 15000, 1);
+        let spec = pod.spec.expect("spec");
+        let claims = spec.resource_claims.expect("the pod's claims");
+        assert_eq!(claims.len(), 1);
+        assert_eq!(
+            (
+                claims[0].name.as_str(),
+                claims[0].resource_claim_template_name.as_deref()
+            ),
+            (POD_CLAIM_NAME, Some("train-15000mib"))
+        );
+        let resources = spec.containers[0].resources.clone().expect("resources");
+        assert_eq!(resources.claims.expect("claims")[0].name, POD_CLAIM_NAME);
+        assert!(resources.limits.is_none(), "no extended resource on the DRA path");
+
+        let template = build_template(&c, &plan, 15000, "gpu.gpumem.io");
+        assert_eq!(template.metadata.name.as_deref(), Some("train-15000mib"));
+        assert_eq!(template.metadata.owner_references.expect("owner")[0].uid, "u-1");
+        let request = template
+            .spec
+            .spec
+            .devices
+            .expect("devices")
+            .requests
+            .expect("requests")[0]
+            .exactly
+            .clone()
+            .expect("exactly");
+        assert_eq!(request.device_class_name, "gpu.gpumem.io");
+        assert_eq!(
+            request.capacity.expect("capacity").requests.expect("requests")["memory"],
+            Quantity("15000Mi".into())
+        );
+        let cel = request.selectors.expect("a model selector")[0]
+            .cel
+            .clone()
+            .expect("cel")
+            .expression;
+        assert_eq!(
+            cel,
+            r#"device.attributes["gpumem.io"].productName in ["Tesla T4"]"#
+        );
+        // A gated pod the placer finds no room for says so in its condition; the claim reads it.
+        let gated: Pod = serde_json::from_value(json!({
+            "metadata": {"name": "train-15000mib"},
+            "status": {"phase": "Pending", "conditions": [
+                {"type": "PodScheduled", "status": "False", "reason": "SchedulingGated"},
+                {"type": crate::placer::PLACED_CONDITION, "status": "False", "reason": "NoRoom",
+                 "message": "no room for claim ml/c request \"gpu\""}]}
+        }))
+        .expect("pod");
+        assert_eq!(
+            PodView::from_pod(&gated).unschedulable.as_deref(),
+            Some("no room for claim ml/c request \"gpu\"")
+        );
+        // The placer's and kube-scheduler's words for a claim that fits nowhere count as GPU memory.
+        assert!(lacks_gpu_memory(
+            "no node has room for all of the pod's claims: n1: no room for claim ml/c request \"gpu\""
+        ));
+        assert!(lacks_gpu_memory(
+            "0/2 nodes are available: 2 cannot allocate all claims."
+        ));
+        // The claim's own claim name is the claim's.
+        c.spec.template = json!({"spec": {"containers": [{"name": "m", "image": "i"}],
+                                          "resourceClaims": [{"name": POD_CLAIM_NAME, "resourceClaimName": "x"}]}});
+        let err = Plan::from_claim(&c).expect_err("a name taken");
+        assert!(err.contains("resourceClaims entry named"), "{err}");
     }
 }

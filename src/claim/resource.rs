@@ -72,10 +72,33 @@ pub struct GpuClaimSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(schema_with = "workload_class_schema")]
     pub workload_class: Option<WorkloadClass>,
+    /// How the pod asks for its GPU memory: `devicePlugin` (an `nvidia.com/gpu-mem` request, for
+    /// nodes on the device-plugin path) or `dra` (a ResourceClaim of the controller's `--dra-class`
+    /// with `capacity.requests.memory`, made from a ResourceClaimTemplate of the same name as the
+    /// pod, for nodes on the DRA path).
+    #[serde(default, skip_serializing_if = "ClaimPath::is_default")]
+    pub path: ClaimPath,
     /// The pod to run (a PodTemplateSpec: `metadata` and `spec`). Its first container gets the
-    /// `nvidia.com/gpu-mem` request; the API server checks the pod when the controller creates it.
+    /// GPU memory request; the API server checks the pod when the controller creates it.
     #[schemars(schema_with = "pod_template_schema")]
     pub template: serde_json::Value,
+}
+
+/// How a claim's pod asks for GPU memory: which of gpumem's two paths serves it.
+#[derive(Deserialize, Serialize, Clone, Copy, Debug, Default, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub enum ClaimPath {
+    /// `nvidia.com/gpu-mem` on the first container.
+    #[default]
+    DevicePlugin,
+    /// A ResourceClaim with `capacity.requests.memory`, used by the first container.
+    Dra,
+}
+
+impl ClaimPath {
+    fn is_default(&self) -> bool {
+        *self == ClaimPath::DevicePlugin
+    }
 }
 
 fn workload_class_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {

@@ -27,6 +27,7 @@ use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::watcher;
 use kube::{Api, Client};
 
+use super::PLACED_CONDITION;
 use super::cel::Selector;
 use super::claims::{
     AllocatedShare, Alternative, ClaimAsk, ClaimPlan, Need, allocated_shares, allocation_result, claim_ask,
@@ -293,6 +294,8 @@ struct Known {
     waiting: HashMap<String, String>,
     /// Pods that preempted others, by UID: the room held for each while its victims end.
     nominated: HashMap<String, Nomination>,
+    /// Pods marked [`PLACED_CONDITION`]`=False` (by UID): marked placed when they are.
+    marked: HashSet<String>,
 }
 
 /// The room held for a pod that preempted others ([`super::victims`]), as kube-scheduler nominates a
@@ -635,10 +638,12 @@ impl Placer {
             watcher::Event::InitApply(n) | watcher::Event::Apply(n) => {
                 let facts = NodeFacts::from_node(n);
                 // A Node's status is written every few seconds: only a change of what the node filters
-                // read may let a waiting pod in.
+                // read may let a waiting pod in, or, on a node where victims end, any change (its
+                // agent's report no longer listing one of them frees the room held).
                 let same = known.nodes.get(&facts.name) == Some(&facts);
+                let victims_end_here = known.nominated.values().any(|v| v.node == facts.name);
                 known.nodes.insert(facts.name.clone(), facts);
-                !same
+                !same || victims_end_here
             }
             watcher::Event::Delete(n) => {
                 known.nodes.remove(n.metadata.name.as_deref().unwrap_or_default());
@@ -714,6 +719,7 @@ impl Placer {
                 known.waiting.remove(uid);
                 known.no_room.remove(uid);
                 known.nominated.remove(uid);
+                known.marked.remove(uid);
             }
             watcher::Event::InitDone => {}
         }
@@ -1439,6 +1445,7 @@ impl Placer {
                         match outcome {
                             Ok(None) => {
                                 scorer.placed_on_dra(started);
+                                me.mark_placed(&client, &pod, &node);
                                 tracing::info!(pod = %key, %node, claims = ?claims, "placed the pod's claims");
                                 me.tell(
                                     &pod,
@@ -1480,11 +1487,77 @@ impl Placer {
                 Wait::NoRoom => {
                     tracing::info!(pod = %key, "waiting: {why}");
                     self.tell(pod, EventType::Normal, "WaitingForGPU", &why);
+                    self.mark_unschedulable(pod, &why);
                 }
                 Wait::Brief => tracing::info!(pod = %key, "waiting: {why}"),
             }
             known.waiting.insert(uid, why);
         }
+    }
+
+    /// Says on the gated `pod` why it waits, in its condition [`PLACED_CONDITION`] (`False`, reason
+    /// `NoRoom`): `kubectl describe pod` shows it beside `PodScheduled=False, SchedulingGated`, and a
+    /// GPUClaim's controller reads it to step the claim down (failures only logged).
+    fn mark_unschedulable(&self, pod: &Pod, why: &str) {
+        let Some((client, _)) = self.reporter.clone() else {
+            return;
+        };
+        self.known()
+            .marked
+            .insert(pod.metadata.uid.clone().unwrap_or_default());
+        let pods: Api<Pod> = Api::namespaced(client, pod.metadata.namespace.as_deref().unwrap_or("default"));
+        let name = pod.metadata.name.clone().unwrap_or_default();
+        let mut end = why.len().min(2000);
+        while !why.is_char_boundary(end) {
+            end -= 1;
+        }
+        // The UID keeps a pod of the same name made meanwhile untouched.
+        let patch = serde_json::json!({
+            "metadata": {"uid": pod.metadata.uid},
+            "status": {"conditions": [{
+                "type": PLACED_CONDITION, "status": "False", "reason": "NoRoom",
+                "message": &why[..end],
+                "lastTransitionTime": k8s_openapi::jiff::Timestamp::now(),
+            }]},
+        });
+        tokio::spawn(async move {
+            if let Err(e) = pods
+                .patch_status(&name, &PatchParams::default(), &Patch::Strategic(patch))
+                .await
+            {
+                tracing::debug!("marking pod {name} unplaced: {e}");
+            }
+        });
+    }
+
+    /// Turns [`PLACED_CONDITION`] true on a pod it had marked unplaced (only those: a pod placed at
+    /// once carries no such condition, and costs no write).
+    fn mark_placed(&self, client: &Client, pod: &Pod, node: &str) {
+        let uid = pod.metadata.uid.clone().unwrap_or_default();
+        if !self.known().marked.remove(&uid) {
+            return;
+        }
+        let pods: Api<Pod> = Api::namespaced(
+            client.clone(),
+            pod.metadata.namespace.as_deref().unwrap_or("default"),
+        );
+        let name = pod.metadata.name.clone().unwrap_or_default();
+        let patch = serde_json::json!({
+            "metadata": {"uid": uid},
+            "status": {"conditions": [{
+                "type": PLACED_CONDITION, "status": "True", "reason": "Placed",
+                "message": format!("its claims are allocated on node {node}"),
+                "lastTransitionTime": k8s_openapi::jiff::Timestamp::now(),
+            }]},
+        });
+        tokio::spawn(async move {
+            if let Err(e) = pods
+                .patch_status(&name, &PatchParams::default(), &Patch::Strategic(patch))
+                .await
+            {
+                tracing::debug!("marking pod {name} placed: {e}");
+            }
+        });
     }
 
     /// An Event on `pod` (failures only logged): what the placer did with it, in `kubectl describe pod`.

@@ -31,6 +31,11 @@ use kube::Client;
 use crate::scorer::Scorer;
 use crate::scorer::config::DraPlacementConfig;
 
+/// The pod condition in which the placer says why a gated pod waits (`False`, reason `NoRoom`, the
+/// reason as its log and Events say it) and, once it is placed after waiting, that it is (`True`). It
+/// leaves `PodScheduled` (`SchedulingGated`) to the API server and kube-scheduler.
+pub const PLACED_CONDITION: &str = "gpumem.io/Placed";
+
 /// Starts the placer beside the scorer `scorer` (the `scorer` command's [`crate::scorer::cli::StartPlacer`]).
 pub fn start(scorer: Arc<Scorer>, client: Client, config: DraPlacementConfig, identity: String) {
     tracing::info!(
