@@ -1487,6 +1487,7 @@ impl Placer {
                 Wait::NoRoom => {
                     tracing::info!(pod = %key, "waiting: {why}");
                     self.tell(pod, EventType::Normal, "WaitingForGPU", &why);
+                    known.marked.insert(uid.clone());
                     self.mark_unschedulable(pod, &why);
                 }
                 Wait::Brief => tracing::info!(pod = %key, "waiting: {why}"),
@@ -1497,14 +1498,12 @@ impl Placer {
 
     /// Says on the gated `pod` why it waits, in its condition [`PLACED_CONDITION`] (`False`, reason
     /// `NoRoom`): `kubectl describe pod` shows it beside `PodScheduled=False, SchedulingGated`, and a
-    /// GPUClaim's controller reads it to step the claim down (failures only logged).
+    /// GPUClaim's controller reads it to step the claim down (failures only logged). The caller
+    /// records the pod in `Known::marked` (it holds the lock).
     fn mark_unschedulable(&self, pod: &Pod, why: &str) {
         let Some((client, _)) = self.reporter.clone() else {
             return;
         };
-        self.known()
-            .marked
-            .insert(pod.metadata.uid.clone().unwrap_or_default());
         let pods: Api<Pod> = Api::namespaced(client, pod.metadata.namespace.as_deref().unwrap_or("default"));
         let name = pod.metadata.name.clone().unwrap_or_default();
         let mut end = why.len().min(2000);
