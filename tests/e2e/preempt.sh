@@ -61,7 +61,9 @@ scenario_dra_preempt() {
   for pod in pe-big pe-small-1 pe-small-2 pe-small-3; do
     eventually "offline $pod runs" 60 is_running "$pod"
   done
-  expect_eq "the offline pods fill the T4s" "12000 12000" "$(gpu_allocated "$REAL_NODE" | cut -d" " -f3-)"
+  # (The agent's usage annotation follows the prepares by a moment.)
+  eventually "the offline pods fill the T4s (12000 MiB on each)" 30 \
+    eval '[ "$(gpu_allocated "$REAL_NODE" | cut -d" " -f3-)" == "12000 12000" ]'
   local started=$SECONDS
   class_pod pe-online online pe-online
   eventually "the online pod evicts the offline pod on gpu-2" 30 has_event pe-big "PreemptedForGPU"
