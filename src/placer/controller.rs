@@ -1501,62 +1501,23 @@ impl Placer {
     /// GPUClaim's controller reads it to step the claim down (failures only logged). The caller
     /// records the pod in `Known::marked` (it holds the lock).
     fn mark_unschedulable(&self, pod: &Pod, why: &str) {
-        let Some((client, _)) = self.reporter.clone() else {
-            return;
-        };
-        let pods: Api<Pod> = Api::namespaced(client, pod.metadata.namespace.as_deref().unwrap_or("default"));
-        let name = pod.metadata.name.clone().unwrap_or_default();
-        let mut end = why.len().min(2000);
-        while !why.is_char_boundary(end) {
-            end -= 1;
-        }
-        // The UID keeps a pod of the same name made meanwhile untouched.
-        let patch = serde_json::json!({
-            "metadata": {"uid": pod.metadata.uid},
-            "status": {"conditions": [{
-                "type": PLACED_CONDITION, "status": "False", "reason": "NoRoom",
-                "message": &why[..end],
-                "lastTransitionTime": k8s_openapi::jiff::Timestamp::now(),
-            }]},
-        });
-        tokio::spawn(async move {
-            if let Err(e) = pods
-                .patch_status(&name, &PatchParams::default(), &Patch::Strategic(patch))
-                .await
-            {
-                tracing::debug!("marking pod {name} unplaced: {e}");
+        if let Some((client, _)) = &self.reporter {
+            let mut end = why.len().min(2000);
+            while !why.is_char_boundary(end) {
+                end -= 1;
             }
-        });
+            set_placed_condition(client, pod, false, "NoRoom", why[..end].to_string());
+        }
     }
 
     /// Turns [`PLACED_CONDITION`] true on a pod it had marked unplaced (only those: a pod placed at
     /// once carries no such condition, and costs no write).
     fn mark_placed(&self, client: &Client, pod: &Pod, node: &str) {
         let uid = pod.metadata.uid.clone().unwrap_or_default();
-        if !self.known().marked.remove(&uid) {
-            return;
+        if self.known().marked.remove(&uid) {
+            let message = format!("its claims are allocated on node {node}");
+            set_placed_condition(client, pod, true, "Placed", message);
         }
-        let pods: Api<Pod> = Api::namespaced(
-            client.clone(),
-            pod.metadata.namespace.as_deref().unwrap_or("default"),
-        );
-        let name = pod.metadata.name.clone().unwrap_or_default();
-        let patch = serde_json::json!({
-            "metadata": {"uid": uid},
-            "status": {"conditions": [{
-                "type": PLACED_CONDITION, "status": "True", "reason": "Placed",
-                "message": format!("its claims are allocated on node {node}"),
-                "lastTransitionTime": k8s_openapi::jiff::Timestamp::now(),
-            }]},
-        });
-        tokio::spawn(async move {
-            if let Err(e) = pods
-                .patch_status(&name, &PatchParams::default(), &Patch::Strategic(patch))
-                .await
-            {
-                tracing::debug!("marking pod {name} placed: {e}");
-            }
-        });
     }
 
     /// An Event on `pod` (failures only logged): what the placer did with it, in `kubectl describe pod`.
@@ -1639,6 +1600,31 @@ pub async fn run(scorer: Arc<Scorer>, client: Client, config: DraPlacementConfig
         }
         scorer.metrics.dra_leading.set(0);
     }
+}
+
+/// Writes `pod`'s condition [`PLACED_CONDITION`] (a strategic merge of that one condition, on its
+/// own task; failures only logged). The UID keeps a pod of the same name made meanwhile untouched.
+fn set_placed_condition(client: &Client, pod: &Pod, placed: bool, reason: &str, message: String) {
+    let pods: Api<Pod> = Api::namespaced(
+        client.clone(),
+        pod.metadata.namespace.as_deref().unwrap_or("default"),
+    );
+    let name = pod.metadata.name.clone().unwrap_or_default();
+    let patch = serde_json::json!({
+        "metadata": {"uid": pod.metadata.uid},
+        "status": {"conditions": [{
+            "type": PLACED_CONDITION, "status": if placed { "True" } else { "False" }, "reason": reason,
+            "message": message, "lastTransitionTime": k8s_openapi::jiff::Timestamp::now(),
+        }]},
+    });
+    tokio::spawn(async move {
+        if let Err(e) = pods
+            .patch_status(&name, &PatchParams::default(), &Patch::Strategic(patch))
+            .await
+        {
+            tracing::debug!("condition {PLACED_CONDITION} of pod {name}: {e}");
+        }
+    });
 }
 
 /// Marks the holders that a PodDisruptionBudget protects: one that allows no disruption now and
