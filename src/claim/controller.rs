@@ -171,7 +171,7 @@ async fn carry_out(
         }
         // On the DRA path its ResourceClaimTemplate goes with it (the claim made from it goes with
         // the pod, by the resource claim controller).
-        if plan.as_ref().is_ok_and(|p| p.path == ClaimPath::Dra) {
+        if pod.path == ClaimPath::Dra {
             match templates(claim, ctx)
                 .delete(&pod.name, &DeleteParams::default())
                 .await
@@ -208,7 +208,8 @@ async fn carry_out(
     }
     if let (Some(name), Ok(plan)) = (&decision.create, plan) {
         let request = decision.status.request_mib.unwrap_or(plan.first_mib);
-        if plan.path == ClaimPath::Dra {
+        let path = plan.pod_path(&decision.status);
+        if path == ClaimPath::Dra {
             let template = policy::build_template(claim, plan, request, &ctx.dra_class);
             match templates(claim, ctx)
                 .create(&PostParams::default(), &template)
@@ -229,11 +230,11 @@ async fn carry_out(
                 Err(e) => return Err(api_error("creating the ResourceClaimTemplate", name.clone())(e)),
             }
         }
-        let pod = policy::build_pod(claim, plan, request, ctx.unit_mib);
+        let pod = policy::build_pod(claim, plan, path, request, ctx.unit_mib);
         match pods.create(&PostParams::default(), &pod).await {
             Ok(_) => {
                 ctx.counts.pods_created.inc();
-                tracing::info!(claim = %claim.key(), pod = %name, request_mib = request, "created pod");
+                tracing::info!(claim = %claim.key(), pod = %name, request_mib = request, path = path.describe(), "created pod");
             }
             Err(e) if is_status(&e, 409) => {}
             // The API server refused the template (a bad field, a quota): say so on the claim.
@@ -260,13 +261,13 @@ async fn carry_out(
         .map_or_else(Action::await_change, Action::requeue))
 }
 
-/// An Event on the claim (`kubectl describe gpuclaim` lists them), its pod as the related object; a
-/// failure is only logged.
 /// The claim's namespace's ResourceClaimTemplates.
 fn templates(claim: &GpuClaim, ctx: &Context) -> Api<ResourceClaimTemplate> {
     Api::namespaced(ctx.client.clone(), &claim.namespace().unwrap_or_default())
 }
 
+/// An Event on the claim (`kubectl describe gpuclaim` lists them), its pod as the related object; a
+/// failure is only logged.
 async fn publish(ctx: &Context, claim: &GpuClaim, note: &Note) {
     let event = Event {
         type_: if note.warning {

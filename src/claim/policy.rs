@@ -6,7 +6,10 @@
 //! The rule: the pod runs at the claim's current request; while it is unschedulable because of GPU
 //! memory (kube-scheduler's message says `nvidia.com/gpu-mem`, or the scorer's `MiB` reasons), and
 //! has waited `fallbackAfter` since it was created, and no preemption is making room for it
-//! (`nominatedNodeName`), the request steps down by `stepMiB`, never below the minimum.
+//! (`nominatedNodeName`), the request steps down by `stepMiB`, never below the minimum. With
+//! `path: auto` each request is first asked on the device-plugin path and, as soon as the scheduler
+//! finds no node for it there, on the DRA path under the same name; only the DRA pod's wait steps it
+//! down, to the device-plugin path again. At the minimum the two paths take turns.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -144,6 +147,16 @@ impl Plan {
             .max(self.min_mib)
     }
 
+    /// The path the current pod asks through: the spec's, or with `path: auto` the one the status
+    /// records (each request starts on the device-plugin path).
+    pub fn pod_path(&self, status: &GpuClaimStatus) -> ClaimPath {
+        match (self.path, status.path) {
+            (ClaimPath::Auto, Some(p @ (ClaimPath::DevicePlugin | ClaimPath::Dra))) => p,
+            (ClaimPath::Auto, _) => ClaimPath::DevicePlugin,
+            (fixed, _) => fixed,
+        }
+    }
+
     /// The request after one step down from `mib`.
     pub fn step_down(&self, mib: u64) -> u64 {
         mib.saturating_sub(self.step_mib).max(self.min_mib)
@@ -174,7 +187,7 @@ fn check_template(t: PodTemplateSpec, path: ClaimPath, problems: &mut Vec<String
                 .iter()
                 .flat_map(|s| s.resource_claims.iter().flatten())
                 .any(|c| c.name == POD_CLAIM_NAME);
-            if path == ClaimPath::Dra && names_ours {
+            if path != ClaimPath::DevicePlugin && names_ours {
                 problems.push(format!(
                     "template has a resourceClaims entry named {POD_CLAIM_NAME:?}, the name the claim gives its own"
                 ));
@@ -197,6 +210,8 @@ pub struct PodView {
     pub uid: String,
     pub resource_version: String,
     pub request_mib: Option<u64>,
+    /// How it asks for GPU memory: through the claim's ResourceClaim (`dra`), or not.
+    pub path: ClaimPath,
     pub created: Option<Timestamp>,
     pub terminating: bool,
     /// `Pending`, `Running`, `Succeeded`, `Failed` or `Unknown`.
@@ -231,6 +246,16 @@ impl PodView {
                 .as_ref()
                 .and_then(|l| l.get(REQUEST_LABEL))
                 .and_then(|v| v.parse().ok()),
+            path: if pod
+                .spec
+                .iter()
+                .flat_map(|s| s.resource_claims.iter().flatten())
+                .any(|c| c.name == POD_CLAIM_NAME)
+            {
+                ClaimPath::Dra
+            } else {
+                ClaimPath::DevicePlugin
+            },
             created: meta.creation_timestamp.as_ref().map(|t| t.0),
             terminating: meta.deletion_timestamp.is_some(),
             phase: status
@@ -283,7 +308,7 @@ pub struct Decision {
     pub delete: Vec<PodView>,
     /// The status to write.
     pub status: GpuClaimStatus,
-    /// The pod to create, at `status.request_mib`.
+    /// The pod to create, at `status.request_mib`, through `status.path`.
     pub create: Option<String>,
     pub notes: Vec<Note>,
     /// When to look again if nothing changes before.
@@ -333,13 +358,15 @@ pub fn decide(claim: &GpuClaim, plan: &Result<Plan, String>, pods: &[PodView], n
     status.min_mib = Some(plan.min_mib);
     let mut request = plan.request_mib(&old);
     status.request_mib = Some(request);
+    let mut path = plan.pod_path(&old);
+    status.path = Some(path);
     let current_name = pod_name(name, request);
 
     // Pods left from an earlier request (a user lowered the spec, or edited the status) go; a
     // pod already being deleted is only waited for.
     let mut current = None;
     for pod in pods.iter().filter(|p| !p.terminating) {
-        if pod.name == current_name && pod.request_mib == Some(request) {
+        if pod.name == current_name && pod.request_mib == Some(request) && pod.path == path {
             current = Some(pod);
         } else if !old.phase.is_some_and(Phase::is_final) {
             decision.delete.push(pod.clone());
@@ -359,7 +386,7 @@ pub fn decide(claim: &GpuClaim, plan: &Result<Plan, String>, pods: &[PodView], n
                 awaiting(&mut status, &current_name);
                 decision.requeue = Some(Duration::from_secs(2));
             } else {
-                create(&mut status, &mut decision, current_name, request);
+                create(&mut status, &mut decision, current_name, request, path);
             }
             set_condition(
                 &mut status,
@@ -400,10 +427,15 @@ pub fn decide(claim: &GpuClaim, plan: &Result<Plan, String>, pods: &[PodView], n
                     .map(|c| Duration::try_from(now.duration_since(c)).unwrap_or(Duration::ZERO))
                     .unwrap_or(Duration::ZERO);
                 let wait = format!("unschedulable for {}s: {message}", waited.as_secs());
+                let auto = plan.path == ClaimPath::Auto;
                 if pod.nominated_node.is_some() {
                     // Preemption is making room on that node: give it the time it takes.
                     set_condition(&mut status, SCHEDULED, "False", "Preempting", &wait, now);
                     decision.requeue = Some(plan.fallback_after.max(Duration::from_secs(1)));
+                } else if auto && path == ClaimPath::DevicePlugin {
+                    // The same request on the other path, at once: it costs the pod nothing.
+                    path = ClaimPath::Dra;
+                    switch_path(&mut status, &mut decision, pod, request, path, &wait, now);
                 } else if !lacks_gpu_memory(message) {
                     set_condition(
                         &mut status,
@@ -431,6 +463,16 @@ pub fn decide(claim: &GpuClaim, plan: &Result<Plan, String>, pods: &[PodView], n
                         &text,
                         now,
                     );
+                    // With both paths, room may come on either: at the minimum the claim goes on
+                    // trying them in turn, each for fallbackAfter.
+                    if auto {
+                        if waited < plan.fallback_after {
+                            decision.requeue = Some(plan.fallback_after - waited);
+                        } else {
+                            path = ClaimPath::DevicePlugin;
+                            switch_path(&mut status, &mut decision, pod, request, path, &wait, now);
+                        }
+                    }
                 } else if waited < plan.fallback_after {
                     set_condition(&mut status, SCHEDULED, "False", "Unschedulable", &wait, now);
                     decision.requeue = Some(plan.fallback_after - waited);
@@ -452,7 +494,10 @@ pub fn decide(claim: &GpuClaim, plan: &Result<Plan, String>, pods: &[PodView], n
                     decision.delete.push(pod.clone());
                     request = to;
                     status.request_mib = Some(request);
-                    create(&mut status, &mut decision, pod_name(name, request), request);
+                    // Each request starts again on the device-plugin path.
+                    path = plan.pod_path(&GpuClaimStatus::default());
+                    status.path = Some(path);
+                    create(&mut status, &mut decision, pod_name(name, request), request, path);
                     set_condition(
                         &mut status,
                         SCHEDULED,
@@ -486,16 +531,64 @@ fn awaiting(status: &mut GpuClaimStatus, name: &str) {
     status.gpus = None;
 }
 
-/// Creates the claim's pod `name` at `request_mib`.
-fn create(status: &mut GpuClaimStatus, decision: &mut Decision, name: String, request_mib: u64) {
+/// Creates the claim's pod `name` at `request_mib`, through `path`.
+fn create(
+    status: &mut GpuClaimStatus,
+    decision: &mut Decision,
+    name: String,
+    request_mib: u64,
+    path: ClaimPath,
+) {
     awaiting(status, &name);
+    status.path = Some(path);
     decision.notes.push(Note {
         warning: false,
         reason: "CreatedPod",
-        message: format!("pod {name} asks for {request_mib} MiB of GPU memory"),
+        message: format!(
+            "pod {name} asks for {request_mib} MiB of GPU memory on {}",
+            path.describe()
+        ),
         pod: Some(name.clone()),
     });
     decision.create = Some(name);
+}
+
+/// With `path: auto`: replaces `pod`, which `wait`s for room, by the same request through `to`.
+fn switch_path(
+    status: &mut GpuClaimStatus,
+    decision: &mut Decision,
+    pod: &PodView,
+    request_mib: u64,
+    to: ClaimPath,
+    wait: &str,
+    now: Timestamp,
+) {
+    decision.notes.push(Note {
+        warning: false,
+        reason: "SwitchedPath",
+        message: format!(
+            "{request_mib} MiB on {} instead: pod {} on {} {wait}",
+            to.describe(),
+            pod.name,
+            to.other().describe()
+        ),
+        pod: Some(pod.name.clone()),
+    });
+    decision.delete.push(pod.clone());
+    // The same name: the new pod is created once the old one is gone (decide waits for a
+    // terminating namesake).
+    create(status, decision, pod.name.clone(), request_mib, to);
+    set_condition(
+        status,
+        SCHEDULED,
+        "False",
+        "SwitchedPath",
+        &format!(
+            "trying {request_mib} MiB on {}; waiting for the scheduler",
+            to.describe()
+        ),
+        now,
+    );
 }
 
 fn has_condition(status: &GpuClaimStatus, type_: &str, value: &str, message: &str) -> bool {
@@ -547,7 +640,7 @@ fn set_condition(
 /// The pod the claim runs at `request_mib`: the template, with `nvidia.com/gpu-mem` on its first
 /// container (in units of `unit_mib`, rounded up), the annotations the scorer reads, the claim's
 /// labels and the claim as its controlling owner (the garbage collector deletes it with the claim).
-pub fn build_pod(claim: &GpuClaim, plan: &Plan, request_mib: u64, unit_mib: u64) -> Pod {
+pub fn build_pod(claim: &GpuClaim, plan: &Plan, path: ClaimPath, request_mib: u64, unit_mib: u64) -> Pod {
     let name = claim.metadata.name.clone().unwrap_or_default();
     let template = plan.template.clone();
     let mut meta = template.metadata.unwrap_or_default();
@@ -565,8 +658,8 @@ pub fn build_pod(claim: &GpuClaim, plan: &Plan, request_mib: u64, unit_mib: u64)
         annotations.insert(WORKLOAD_CLASS_KEY.to_string(), class.as_str().to_string());
     }
     let mut spec = template.spec.unwrap_or_default();
-    match plan.path {
-        ClaimPath::DevicePlugin => {
+    match path {
+        ClaimPath::DevicePlugin | ClaimPath::Auto => {
             let units = request_mib.div_ceil(unit_mib.max(1));
             if let Some(first) = spec.containers.first_mut() {
                 set_gpu_memory(first, units);
@@ -720,6 +813,7 @@ mod tests {
             uid: format!("uid-{name}"),
             resource_version: "7".into(),
             request_mib: Some(request),
+            path: ClaimPath::DevicePlugin,
             created: Some(at(created)),
             terminating: false,
             phase: "Pending".into(),
@@ -749,7 +843,13 @@ mod tests {
         assert_eq!(d.status.min_mib, Some(8000));
         assert_eq!(d.status.phase, Some(Phase::Pending));
         assert!(d.delete.is_empty());
-        let pod = build_pod(&c, plan.as_ref().expect("valid"), 20000, 1);
+        let pod = build_pod(
+            &c,
+            plan.as_ref().expect("valid"),
+            ClaimPath::DevicePlugin,
+            20000,
+            1,
+        );
         let limits = pod.spec.as_ref().expect("spec").containers[0]
             .resources
             .as_ref()
@@ -976,7 +1076,7 @@ mod tests {
             3000,
             "never above the request"
         );
-        let pod = build_pod(&c, &plan, 6001, 4);
+        let pod = build_pod(&c, &plan, ClaimPath::DevicePlugin, 6001, 4);
         let resources = pod.spec.as_ref().expect("spec").containers[0]
             .resources
             .clone()
@@ -990,7 +1090,7 @@ mod tests {
         c.spec.preemptible = true;
         c.spec.workload_class = Some(WorkloadClass::Offline);
         let plan = Plan::from_claim(&c).expect("valid");
-        let pod = build_pod(&c, &plan, 6000, 1);
+        let pod = build_pod(&c, &plan, ClaimPath::DevicePlugin, 6000, 1);
         let a = pod.metadata.annotations.expect("annotations");
         assert_eq!(a[GPU_MODELS_ANNOTATION], "Tesla T4, Tesla V100-SXM2-32GB");
         assert_eq!(
@@ -1003,7 +1103,7 @@ mod tests {
     fn on_the_dra_path_the_pod_asks_through_a_claim_template_of_its_own_name() {
         let mut c = claim(json!({"path": "dra", "gpuModels": ["Tesla T4"]}));
         let plan = Plan::from_claim(&c).expect("valid");
-        let pod = build_pod(&c, &plan, 15000, 1);
+        let pod = build_pod(&c, &plan, ClaimPath::Dra, 15000, 1);
         let spec = pod.spec.expect("spec");
         let claims = spec.resource_claims.expect("the pod's claims");
         assert_eq!(claims.len(), 1);
@@ -1070,5 +1170,156 @@ mod tests {
                                           "resourceClaims": [{"name": POD_CLAIM_NAME, "resourceClaimName": "x"}]}});
         let err = Plan::from_claim(&c).expect_err("a name taken");
         assert!(err.contains("resourceClaims entry named"), "{err}");
+    }
+
+    /// A pod of the claim on `path`.
+    fn on(mut pod: PodView, path: ClaimPath) -> PodView {
+        pod.path = path;
+        pod
+    }
+
+    #[test]
+    fn with_path_auto_each_request_tries_the_device_plugin_path_then_dra_before_stepping_down() {
+        let c = claim(json!({"path": "auto", "gpuMemMiB": 9000}));
+        let plan = Plan::from_claim(&c);
+        let d = decide(&c, &plan, &[], at(0));
+        assert_eq!(
+            (d.create.as_deref(), d.status.path),
+            (Some("train-9000mib"), Some(ClaimPath::DevicePlugin))
+        );
+        assert!(
+            d.notes[0].message.ends_with("on the device-plugin path"),
+            "{:?}",
+            d.notes
+        );
+        let c = applied(c, &d);
+
+        // No node has room on the device-plugin path: the same request on the DRA path, at once
+        // (well before fallbackAfter), under the same name; nothing steps down.
+        let insufficient = "0/3 nodes are available: 3 Insufficient nvidia.com/gpu-mem.";
+        let dp = pending("train-9000mib", 9000, 0, Some(insufficient));
+        let d = decide(&c, &plan, std::slice::from_ref(&dp), at(1));
+        assert_eq!(d.delete, vec![dp.clone()]);
+        assert_eq!(
+            (d.create.as_deref(), d.status.path, d.status.request_mib),
+            (Some("train-9000mib"), Some(ClaimPath::Dra), Some(9000))
+        );
+        assert!(d.status.steps.is_empty());
+        let switched = d
+            .notes
+            .iter()
+            .find(|n| n.reason == "SwitchedPath")
+            .expect("a note");
+        assert!(
+            switched.message.starts_with("9000 MiB on the DRA path instead")
+                && switched.message.contains(insufficient),
+            "{switched:?}"
+        );
+        let c = applied(c, &d);
+        // The old pod is still terminating: its name is waited for, then the DRA pod is made.
+        let mut leaving = dp.clone();
+        leaving.terminating = true;
+        let d = decide(&c, &plan, &[leaving], at(1));
+        assert_eq!(
+            (d.create.as_deref(), d.requeue),
+            (None, Some(Duration::from_secs(2)))
+        );
+        let d = decide(&c, &plan, &[], at(2));
+        assert_eq!(
+            (d.create.as_deref(), d.status.path),
+            (Some("train-9000mib"), Some(ClaimPath::Dra))
+        );
+        let c = applied(c, &d);
+
+        // A device-plugin pod of that name left over (a restart between delete and status) is not
+        // the current pod: it goes.
+        let d = decide(&c, &plan, std::slice::from_ref(&dp), at(2));
+        assert_eq!(d.delete, vec![dp.clone()]);
+
+        // The DRA pod waits fallbackAfter, then the claim steps down, on the device-plugin path again.
+        let no_room = "no node has room for all of the pod's claims: no room for claim ml/c";
+        let dra = on(pending("train-9000mib", 9000, 2, Some(no_room)), ClaimPath::Dra);
+        let d = decide(&c, &plan, std::slice::from_ref(&dra), at(4));
+        assert_eq!((d.create.as_deref(), d.delete.len()), (None, 0));
+        assert_eq!(d.requeue, Some(Duration::from_secs(3)));
+        let d = decide(&c, &plan, std::slice::from_ref(&dra), at(7));
+        assert_eq!(d.delete, vec![dra.clone()]);
+        assert_eq!(
+            (d.create.as_deref(), d.status.path, d.status.request_mib),
+            (Some("train-8000mib"), Some(ClaimPath::DevicePlugin), Some(8000))
+        );
+        assert_eq!(d.status.steps.len(), 1);
+        let c = applied(c, &d);
+
+        // At the minimum the paths take turns, each waited on for fallbackAfter.
+        let dp = pending("train-8000mib", 8000, 8, Some(insufficient));
+        let d = decide(&c, &plan, std::slice::from_ref(&dp), at(9));
+        assert_eq!(d.status.path, Some(ClaimPath::Dra));
+        let c = applied(c, &d);
+        let dra = on(pending("train-8000mib", 8000, 9, Some(no_room)), ClaimPath::Dra);
+        let d = decide(&c, &plan, std::slice::from_ref(&dra), at(10));
+        assert_eq!(
+            (d.create.as_deref(), d.requeue),
+            (None, Some(Duration::from_secs(4)))
+        );
+        assert!(d.notes.iter().any(|n| n.reason == "AtMinimum"));
+        let d = decide(&c, &plan, std::slice::from_ref(&dra), at(14));
+        assert_eq!(d.delete, vec![dra.clone()]);
+        assert_eq!(
+            (d.create.as_deref(), d.status.path, d.status.request_mib),
+            (Some("train-8000mib"), Some(ClaimPath::DevicePlugin), Some(8000))
+        );
+        assert_eq!(d.status.steps.len(), 1, "turning paths is not a step");
+
+        // Once a pod is bound, on whichever path, it is the claim's.
+        let c = applied(c, &d);
+        let mut bound = on(pending("train-8000mib", 8000, 14, None), ClaimPath::DevicePlugin);
+        bound.node = Some("n-dp".into());
+        let d = decide(&c, &plan, std::slice::from_ref(&bound), at(15));
+        assert_eq!((d.create.as_deref(), d.delete.len()), (None, 0));
+        assert_eq!(
+            (d.status.node.as_deref(), d.status.path),
+            (Some("n-dp"), Some(ClaimPath::DevicePlugin))
+        );
+    }
+
+    #[test]
+    fn a_fixed_path_never_switches_and_a_pod_of_the_other_path_is_replaced() {
+        let c = claim(json!({"path": "dra"}));
+        let plan = Plan::from_claim(&c);
+        let c = applied(c.clone(), &decide(&c, &plan, &[], at(0)));
+        assert_eq!(c.status.as_ref().and_then(|s| s.path), Some(ClaimPath::Dra));
+        let dra = on(
+            pending(
+                "train-20000mib",
+                20000,
+                0,
+                Some("0/3 nodes are available: 3 cannot allocate all claims."),
+            ),
+            ClaimPath::Dra,
+        );
+        let d = decide(&c, &plan, std::slice::from_ref(&dra), at(1));
+        assert_eq!((d.create.as_deref(), d.delete.len()), (None, 0));
+        // The user changed spec.path: the pod on the old path goes, one on the new path comes.
+        let mut c = c;
+        c.spec.path = ClaimPath::DevicePlugin;
+        let plan = Plan::from_claim(&c);
+        let d = decide(&c, &plan, std::slice::from_ref(&dra), at(2));
+        assert_eq!(d.delete, vec![dra]);
+        assert_eq!(
+            (d.create.as_deref(), d.status.path),
+            (Some("train-20000mib"), Some(ClaimPath::DevicePlugin))
+        );
+        // A pod's path is read from its spec: the claim's ResourceClaim or none.
+        let pod = build_pod(&c, plan.as_ref().expect("valid"), ClaimPath::Dra, 20000, 1);
+        assert_eq!(PodView::from_pod(&pod).path, ClaimPath::Dra);
+        let pod = build_pod(
+            &c,
+            plan.as_ref().expect("valid"),
+            ClaimPath::DevicePlugin,
+            20000,
+            1,
+        );
+        assert_eq!(PodView::from_pod(&pod).path, ClaimPath::DevicePlugin);
     }
 }

@@ -38,6 +38,7 @@ pub const MAX_MIB: u64 = 1 << 20;
     printcolumn = r#"{"name":"MIN","type":"integer","description":"The smallest request the claim steps down to, MiB","jsonPath":".status.minMiB"}"#,
     printcolumn = r#"{"name":"PHASE","type":"string","description":"Pending, Running, Succeeded, Failed or Invalid","jsonPath":".status.phase"}"#,
     printcolumn = r#"{"name":"NODE","type":"string","description":"Where the claim's pod runs","jsonPath":".status.node"}"#,
+    printcolumn = r#"{"name":"PATH","type":"string","description":"How the current pod asks for its GPU memory: devicePlugin or dra","jsonPath":".status.path"}"#,
     printcolumn = r#"{"name":"AGE","type":"date","jsonPath":".metadata.creationTimestamp"}"#
 )]
 #[serde(rename_all = "camelCase")]
@@ -73,9 +74,11 @@ pub struct GpuClaimSpec {
     #[schemars(schema_with = "workload_class_schema")]
     pub workload_class: Option<WorkloadClass>,
     /// How the pod asks for its GPU memory: `devicePlugin` (an `nvidia.com/gpu-mem` request, for
-    /// nodes on the device-plugin path) or `dra` (a ResourceClaim of the controller's `--dra-class`
+    /// nodes on the device-plugin path), `dra` (a ResourceClaim of the controller's `--dra-class`
     /// with `capacity.requests.memory`, made from a ResourceClaimTemplate of the same name as the
-    /// pod, for nodes on the DRA path).
+    /// pod, for nodes on the DRA path) or `auto` (for a cluster with nodes on both: at each request,
+    /// the device-plugin path first and, if no node has room there, the DRA path, before the claim
+    /// steps down).
     #[serde(default, skip_serializing_if = "ClaimPath::is_default")]
     pub path: ClaimPath,
     /// The pod to run (a PodTemplateSpec: `metadata` and `spec`). Its first container gets the
@@ -93,11 +96,31 @@ pub enum ClaimPath {
     DevicePlugin,
     /// A ResourceClaim with `capacity.requests.memory`, used by the first container.
     Dra,
+    /// Whichever of the two has room: each request is tried on the device-plugin path, then on
+    /// the DRA path.
+    Auto,
 }
 
 impl ClaimPath {
     fn is_default(&self) -> bool {
         *self == ClaimPath::DevicePlugin
+    }
+
+    /// The other path of the two a pod can ask through.
+    pub fn other(self) -> ClaimPath {
+        match self {
+            ClaimPath::Dra => ClaimPath::DevicePlugin,
+            ClaimPath::DevicePlugin | ClaimPath::Auto => ClaimPath::Dra,
+        }
+    }
+
+    /// For messages: "the device-plugin path", "the DRA path".
+    pub fn describe(self) -> &'static str {
+        match self {
+            ClaimPath::DevicePlugin => "the device-plugin path",
+            ClaimPath::Dra => "the DRA path",
+            ClaimPath::Auto => "either path",
+        }
     }
 }
 
@@ -106,6 +129,14 @@ fn workload_class_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema 
         "type": "string",
         "enum": ["online", "offline"],
         "description": "`online` (latency-sensitive) or `offline` (batch), as the scorer reads it.",
+    })
+}
+
+fn pod_path_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+    schemars::json_schema!({
+        "type": "string",
+        "enum": ["devicePlugin", "dra"],
+        "description": "The path the current pod asks through.",
     })
 }
 
@@ -147,6 +178,11 @@ pub struct GpuClaimStatus {
     /// The node the pod was bound to.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub node: Option<String>,
+    /// The path the current pod asks through: `devicePlugin` or `dra` (with `path: auto`, the one
+    /// being tried).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(schema_with = "pod_path_schema")]
+    pub path: Option<ClaimPath>,
     /// The GPUs the scorer chose for the pod (its `gpumem.io/assigned-gpus`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub gpus: Option<String>,

@@ -1192,6 +1192,7 @@ impl Placer {
         why: String,
     ) -> Result<Decision, kube::Error> {
         self.release(client, pod).await?;
+        self.mark_released(client, pod, &why);
         Ok(Decision::Done(Outcome::Released(kind, why)))
     }
 
@@ -1488,7 +1489,8 @@ impl Placer {
                     tracing::info!(pod = %key, "waiting: {why}");
                     self.tell(pod, EventType::Normal, "WaitingForGPU", &why);
                     known.marked.insert(uid.clone());
-                    self.mark_unschedulable(pod, &why);
+                    let nominated = known.nominated.get(&uid).map(|n| n.node.clone());
+                    self.mark_unschedulable(pod, &why, nominated);
                 }
                 Wait::Brief => tracing::info!(pod = %key, "waiting: {why}"),
             }
@@ -1498,25 +1500,55 @@ impl Placer {
 
     /// Says on the gated `pod` why it waits, in its condition [`PLACED_CONDITION`] (`False`, reason
     /// `NoRoom`): `kubectl describe pod` shows it beside `PodScheduled=False, SchedulingGated`, and a
-    /// GPUClaim's controller reads it to step the claim down (failures only logged). The caller
-    /// records the pod in `Known::marked` (it holds the lock).
-    fn mark_unschedulable(&self, pod: &Pod, why: &str) {
+    /// GPUClaim's controller reads it to step the claim down (failures only logged). The node whose
+    /// room is held for it, if it preempted, goes in `status.nominatedNodeName` (as kube-scheduler's
+    /// preemption writes it; cleared when it holds none). The caller records the pod in
+    /// `Known::marked` (it holds the lock).
+    fn mark_unschedulable(&self, pod: &Pod, why: &str, nominated: Option<String>) {
         if let Some((client, _)) = &self.reporter {
             let mut end = why.len().min(2000);
             while !why.is_char_boundary(end) {
                 end -= 1;
             }
-            set_placed_condition(client, pod, false, "NoRoom", why[..end].to_string());
+            let mark = Placed {
+                placed: false,
+                reason: "NoRoom",
+                message: why[..end].to_string(),
+                nominated: Some(nominated),
+            };
+            set_placed_condition(client, pod, mark);
         }
     }
 
     /// Turns [`PLACED_CONDITION`] true on a pod it had marked unplaced (only those: a pod placed at
-    /// once carries no such condition, and costs no write).
+    /// once carries no such condition, and costs no write), and clears its nomination: its claims
+    /// now say where it goes.
     fn mark_placed(&self, client: &Client, pod: &Pod, node: &str) {
         let uid = pod.metadata.uid.clone().unwrap_or_default();
         if self.known().marked.remove(&uid) {
-            let message = format!("its claims are allocated on node {node}");
-            set_placed_condition(client, pod, true, "Placed", message);
+            let mark = Placed {
+                placed: true,
+                reason: "Placed",
+                message: format!("its claims are allocated on node {node}"),
+                nominated: Some(None),
+            };
+            set_placed_condition(client, pod, mark);
+        }
+    }
+
+    /// On a pod it had marked unplaced and now releases to kube-scheduler unplaced: reason
+    /// `Released`, so that nobody reads the old `NoRoom` as the pod's state (kube-scheduler's
+    /// `PodScheduled` says what comes of it).
+    fn mark_released(&self, client: &Client, pod: &Pod, why: &str) {
+        let uid = pod.metadata.uid.clone().unwrap_or_default();
+        if self.known().marked.remove(&uid) {
+            let mark = Placed {
+                placed: false,
+                reason: "Released",
+                message: format!("released to kube-scheduler: {why}"),
+                nominated: None,
+            };
+            set_placed_condition(client, pod, mark);
         }
     }
 
@@ -1602,21 +1634,29 @@ pub async fn run(scorer: Arc<Scorer>, client: Client, config: DraPlacementConfig
     }
 }
 
+/// What the placer writes in a pod's status.
+struct Placed {
+    placed: bool,
+    reason: &'static str,
+    message: String,
+    /// `status.nominatedNodeName`: left as it is (`None`), cleared (`Some(None)`) or set.
+    nominated: Option<Option<String>>,
+}
+
 /// Writes `pod`'s condition [`PLACED_CONDITION`] (a strategic merge of that one condition, on its
-/// own task; failures only logged). The UID keeps a pod of the same name made meanwhile untouched.
-fn set_placed_condition(client: &Client, pod: &Pod, placed: bool, reason: &str, message: String) {
+/// own task; failures only logged), and its nomination. The UID keeps a pod of the same name made
+/// meanwhile untouched.
+fn set_placed_condition(client: &Client, pod: &Pod, mark: Placed) {
     let pods: Api<Pod> = Api::namespaced(
         client.clone(),
         pod.metadata.namespace.as_deref().unwrap_or("default"),
     );
     let name = pod.metadata.name.clone().unwrap_or_default();
-    let patch = serde_json::json!({
-        "metadata": {"uid": pod.metadata.uid},
-        "status": {"conditions": [{
-            "type": PLACED_CONDITION, "status": if placed { "True" } else { "False" }, "reason": reason,
-            "message": message, "lastTransitionTime": k8s_openapi::jiff::Timestamp::now(),
-        }]},
-    });
+    let patch = placed_patch(
+        pod.metadata.uid.as_deref(),
+        mark,
+        k8s_openapi::jiff::Timestamp::now(),
+    );
     tokio::spawn(async move {
         if let Err(e) = pods
             .patch_status(&name, &PatchParams::default(), &Patch::Strategic(patch))
@@ -1625,6 +1665,21 @@ fn set_placed_condition(client: &Client, pod: &Pod, placed: bool, reason: &str, 
             tracing::debug!("condition {PLACED_CONDITION} of pod {name}: {e}");
         }
     });
+}
+
+/// The strategic merge patch of `mark` on the pod of `uid` (a null `nominatedNodeName` removes it).
+fn placed_patch(uid: Option<&str>, mark: Placed, now: k8s_openapi::jiff::Timestamp) -> serde_json::Value {
+    let mut patch = serde_json::json!({
+        "metadata": {"uid": uid},
+        "status": {"conditions": [{
+            "type": PLACED_CONDITION, "status": if mark.placed { "True" } else { "False" },
+            "reason": mark.reason, "message": mark.message, "lastTransitionTime": now,
+        }]},
+    });
+    if let Some(nominated) = mark.nominated {
+        patch["status"]["nominatedNodeName"] = serde_json::json!(nominated);
+    }
+    patch
 }
 
 /// Marks the holders that a PodDisruptionBudget protects: one that allows no disruption now and
@@ -1739,6 +1794,39 @@ mod tests {
     use crate::scorer::config::PLACEMENT_GATE;
     use crate::scorer::state::GpuSnapshot;
     use k8s_openapi::api::resource::v1::{ResourceClaimConsumerReference, ResourceClaimStatus};
+
+    #[test]
+    fn the_placed_mark_sets_clears_or_leaves_the_nomination() {
+        let mark = |nominated: Option<Option<&str>>| Placed {
+            placed: false,
+            reason: "NoRoom",
+            message: "no room for claim ns/c".into(),
+            nominated: nominated.map(|n| n.map(str::to_string)),
+        };
+        let now = k8s_openapi::jiff::Timestamp::UNIX_EPOCH;
+        let patch = placed_patch(Some("u1"), mark(Some(Some("n1"))), now);
+        assert_eq!(patch["metadata"]["uid"], "u1");
+        assert_eq!(patch["status"]["nominatedNodeName"], "n1");
+        let condition = &patch["status"]["conditions"][0];
+        assert_eq!(
+            (&condition["type"], &condition["status"], &condition["reason"]),
+            (
+                &serde_json::json!(PLACED_CONDITION),
+                &serde_json::json!("False"),
+                &serde_json::json!("NoRoom")
+            )
+        );
+        // Cleared: an explicit null, which a strategic merge reads as "remove".
+        let patch = placed_patch(Some("u1"), mark(Some(None)), now);
+        assert!(
+            patch["status"]
+                .as_object()
+                .is_some_and(|s| s.get("nominatedNodeName") == Some(&serde_json::Value::Null))
+        );
+        // Left alone: not in the patch at all.
+        let patch = placed_patch(Some("u1"), mark(None), now);
+        assert!(patch["status"].get("nominatedNodeName").is_none());
+    }
 
     #[test]
     fn the_room_held_for_a_preemptor_is_kept_from_pods_of_no_higher_priority_until_its_victims_end() {

@@ -69,6 +69,8 @@ scenario_dra_preempt() {
   eventually "the online pod evicts the offline pod on gpu-2" 30 has_event pe-big "PreemptedForGPU"
   eventually "the online pod's Event names its victim and node" 30 has_event pe-online \
     "Preempting: evicting $NS/pe-big on node $REAL_NODE"
+  eventually "while its victim ends, the online pod is nominated to $REAL_NODE (status.nominatedNodeName)" 10 \
+    eval '[ "$(pod_field pe-online .status.nominatedNodeName)" == "$REAL_NODE" ]'
   eventually "the online pod runs" 90 is_running pe-online
   local waited=$((SECONDS - started))
   if [ "$waited" -ge 5 ]; then
@@ -77,6 +79,7 @@ scenario_dra_preempt() {
     bad "pe-online waited for its victim's grace period (5 s)" "ran after ${waited} s"
   fi
   check_claim_pod pe-online 8000
+  eventually "placed, its nomination is cleared" 10 eval '[ -z "$(pod_field pe-online .status.nominatedNodeName)" ]'
   expect_eq "pe-online: placed by gpumem on the freed gpu-2" "yes gpu-2" \
     "$(placed_by_gpumem pe-online 0 && echo yes || echo no) $(results pe-online 0 device)"
   expect_eq "pe-big is gone" yes "$(is_gone pe-big && echo yes || echo no)"
@@ -113,6 +116,7 @@ EOF
   sleep 5
   expect_eq "pe-online-2: still gated" SchedulingGated \
     "$(pod_field pe-online-2 '.status.conditions[?(@.type=="PodScheduled")].reason')"
+  expect_eq "pe-online-2: nominated nowhere" "" "$(pod_field pe-online-2 .status.nominatedNodeName)"
   expect_eq "the guarded pods stay" "Running Running" "$(pod_phase pe-guarded-1) $(pod_phase pe-guarded-2)"
   expect_eq "nothing was evicted" "" \
     "$({ pod_events pe-guarded-1; pod_events pe-guarded-2; } | grep PreemptedForGPU)"
