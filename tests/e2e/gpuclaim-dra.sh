@@ -113,7 +113,7 @@ scenario_dra_gpuclaim_auto() {
     eval '[ "$(claim_field da-a100 .status.node)" == gpu-node-2 ]'
   expect_eq "through the device-plugin path, without a switch or a template" "devicePlugin 0 " \
     "$(claim_field da-a100 .status.path) $(claim_events da-a100 SwitchedPath) $(claim_templates da-a100)"
-  expect_eq "its pod asks nvidia.com/gpu-mem" 8000 \
+  expect_eq "its pod asks nvidia.com/gpu-mem (8000, which the API server stores as 8k)" 8k \
     "$(pod_field da-a100-8000mib '.spec.containers[0].resources.limits.nvidia\.com/gpu-mem')"
 
   kn delete gpuclaim da-t4 da-a100 --wait=true --timeout=30s > /dev/null
