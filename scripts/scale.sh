@@ -29,6 +29,8 @@
 #   GPUMEM_SCALE_TRACE      the openb pod list (../shared/traces/openb/openb_pod_list_default.csv)
 #   GPUMEM_SCALE_OUT        results (target/scale): <nodes>-<mode>/{summary.json,pods.csv,stdout.txt,logs/}
 #   GPUMEM_SCALE_QPS, GPUMEM_SCALE_QPS_BURST   kube-scheduler's client rate limit, both modes (500, 1000)
+#   GPUMEM_SCALE_DRA_CONFIG YAML lines added to the scorer's `dra:` configuration in dra-gpumem (e.g.
+#                           "pinToNode: false"), to compare its settings ("")
 #   GPUMEM_SCALE_CHART      the SVG written from the first node count's two runs (docs/scale.svg, with the
 #                           realistic mix $GPUMEM_SCALE_OUT/scale-realistic.svg; "" for none)
 
@@ -46,6 +48,7 @@ DURATION=${GPUMEM_SCALE_DURATION:-30}
 BURST=${GPUMEM_SCALE_BURST:-3000}
 FILL=${GPUMEM_SCALE_FILL:-20000}
 SATURATE=${GPUMEM_SCALE_SATURATE:-0}
+DRA_CONFIG=${GPUMEM_SCALE_DRA_CONFIG:-}
 export K8S_VERSION=${GPUMEM_SCALE_K8S:-1.24}
 for m in $MODES; do
   case "$m" in
@@ -189,6 +192,9 @@ run_one() {
   SCORER_CONFIG_EXTRA=""
   [ "$mode" != dra-gpumem ] ||
     SCORER_CONFIG_EXTRA=$(sed -n '/^    dra:/,$p' "$ROOT/deploy/manifests/components/dra-placement/scorer-config.yaml" | sed 's/^    //')
+  [ "$mode" != dra-gpumem ] || [ -z "$DRA_CONFIG" ] ||
+    SCORER_CONFIG_EXTRA="$SCORER_CONFIG_EXTRA
+$(sed 's/^/  /' <<< "$DRA_CONFIG")"
   if [ "$mode" == extender ] || [ "$mode" == dra-gpumem ]; then
     service_account_kubeconfig gpumem-scorer "$RUN_OUT/scorer.kubeconfig" || {
       log "no token for the scorer's service account"

@@ -33,7 +33,7 @@ use super::claims::{
     AllocatedShare, Alternative, ClaimAsk, ClaimPlan, Need, allocated_shares, allocation_result, claim_ask,
     claim_key, claim_names, placed_by_gpumem,
 };
-use super::nodes::{NodeFacts, PodRules};
+use super::nodes::{self, NodeFacts, PodRules};
 use super::place::{self, DraNode, Ranked, SelectionMemo, Unplaced};
 use super::victims::{self, Holder};
 use crate::lease;
@@ -1191,7 +1191,7 @@ impl Placer {
         kind: &'static str,
         why: String,
     ) -> Result<Decision, kube::Error> {
-        self.release(client, pod).await?;
+        self.release(client, pod, None).await?;
         self.mark_released(client, pod, &why);
         Ok(Decision::Done(Outcome::Released(kind, why)))
     }
@@ -1256,12 +1256,14 @@ impl Placer {
         Ok(None)
     }
 
-    /// Writes every claim of a decision, then releases the pod. A claim written before a later one
-    /// failed stays allocated: the next decision finds it so and keeps the pod on its node.
+    /// Writes every claim of a decision, then releases the pod (pinned to `node`, unless the
+    /// configuration says otherwise or the pod asks for a resource the placer does not weigh). A claim written before a later one failed stays allocated: the
+    /// next decision finds it so and keeps the pod on its node.
     async fn write_all(
         &self,
         client: &Client,
         pod: &Pod,
+        node: &str,
         writes: Vec<(ResourceClaim, AllocationResult)>,
     ) -> Result<Option<String>, kube::Error> {
         for (claim, allocation) in writes {
@@ -1269,22 +1271,34 @@ impl Placer {
                 return Ok(Some(why));
             }
         }
-        self.release(client, pod).await?;
+        let pin = self.config.pin_to_node
+            && pod
+                .spec
+                .as_ref()
+                .is_some_and(|s| nodes::unweighed_request(s).is_none());
+        self.release(client, pod, pin.then_some(node)).await?;
         Ok(None)
     }
 
-    /// Removes the gate from `pod`: kube-scheduler takes it from here.
-    async fn release(&self, client: &Client, pod: &Pod) -> Result<(), kube::Error> {
+    /// Removes the gate from `pod`, in the same write pinning it to node `pin` when given
+    /// ([`nodes::pinned_to`]): kube-scheduler takes it from here.
+    async fn release(&self, client: &Client, pod: &Pod, pin: Option<&str>) -> Result<(), kube::Error> {
         let pods: Api<Pod> = Api::namespaced(
             client.clone(),
             pod.metadata.namespace.as_deref().unwrap_or("default"),
         );
         // A strategic-merge delete of the one gate: other gates stay, and the UID precondition keeps a
         // pod of the same name made meanwhile untouched.
-        let patch = serde_json::json!({
+        let mut patch = serde_json::json!({
             "metadata": {"uid": pod.metadata.uid},
             "spec": {"schedulingGates": [{"name": self.config.scheduling_gate, "$patch": "delete"}]},
         });
+        if let (Some(node), Some(spec)) = (pin, pod.spec.as_ref()) {
+            // The terms are an atomic list: the patch carries all of them.
+            patch["spec"]["affinity"] = serde_json::json!({"nodeAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": nodes::pinned_to(spec, node),
+            }});
+        }
         match pods
             .patch(
                 pod.metadata.name.as_deref().unwrap_or_default(),
@@ -1434,7 +1448,7 @@ impl Placer {
                             .map(|(c, _)| c.metadata.uid.clone().unwrap_or_default())
                             .collect();
                         let claims: Vec<String> = writes.iter().map(|(c, _)| claim_key(c)).collect();
-                        let outcome = me.write_all(&client, &pod, writes).await;
+                        let outcome = me.write_all(&client, &pod, &node, writes).await;
                         drop(permit);
                         me.known().writing.remove(&uid);
                         let unassume = |me: &Placer| {

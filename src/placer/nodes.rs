@@ -45,7 +45,9 @@
 
 use std::collections::BTreeMap;
 
-use k8s_openapi::api::core::v1::{Node, NodeSelectorRequirement, NodeSelectorTerm, Pod, PodSpec, Taint};
+use k8s_openapi::api::core::v1::{
+    Node, NodeSelector, NodeSelectorRequirement, NodeSelectorTerm, Pod, PodSpec, Taint,
+};
 
 use crate::requests::Resources;
 
@@ -233,6 +235,72 @@ impl PodRules {
             Err(reasons.join(", "))
         }
     }
+}
+
+/// The required node affinity that pins a pod, still gated, to `node`: `matchFields metadata.name In
+/// [node]` added to each of its terms (one such term when it has none). The claims the placer
+/// allocated already bind the pod to that node, but kube-scheduler would still run every filter on
+/// every node to find the one that passes; with a node name in each term, its NodeAffinity PreFilter
+/// hands the filters that one node (as for a DaemonSet's pods). The API server allows this change
+/// while the pod is gated: requirements added to existing terms, no term added or removed. An empty
+/// term matches no node and may not gain requirements: it stays as it is.
+pub fn pinned_to(spec: &PodSpec, node: &str) -> NodeSelector {
+    let pin = NodeSelectorRequirement {
+        key: "metadata.name".into(),
+        operator: "In".into(),
+        values: Some(vec![node.into()]),
+    };
+    let terms = spec
+        .affinity
+        .as_ref()
+        .and_then(|a| a.node_affinity.as_ref())
+        .and_then(|a| a.required_during_scheduling_ignored_during_execution.as_ref())
+        .map(|r| r.node_selector_terms.clone())
+        .unwrap_or_default();
+    if terms.is_empty() {
+        return NodeSelector {
+            node_selector_terms: vec![NodeSelectorTerm {
+                match_expressions: None,
+                match_fields: Some(vec![pin]),
+            }],
+        };
+    }
+    let empty = |l: &Option<Vec<NodeSelectorRequirement>>| l.as_ref().is_none_or(Vec::is_empty);
+    NodeSelector {
+        node_selector_terms: terms
+            .into_iter()
+            .map(|mut t| {
+                if !(empty(&t.match_expressions) && empty(&t.match_fields)) {
+                    t.match_fields.get_or_insert_default().push(pin.clone());
+                }
+                t
+            })
+            .collect(),
+    }
+}
+
+/// A resource the pod requests that [`PodRules::admits`] does not weigh (an extended resource,
+/// hugepages), if any: the placer cannot tell whether its node has it, so such a pod is not pinned,
+/// and the give-back of its claims can still move it.
+pub fn unweighed_request(spec: &PodSpec) -> Option<String> {
+    const WEIGHED: [&str; 3] = ["cpu", "memory", "ephemeral-storage"];
+    let containers = spec
+        .containers
+        .iter()
+        .chain(spec.init_containers.iter().flatten())
+        .filter_map(|c| c.resources.as_ref())
+        .flat_map(|r| [r.requests.as_ref(), r.limits.as_ref()]);
+    let pod_level = spec
+        .resources
+        .iter()
+        .flat_map(|r| [r.requests.as_ref(), r.limits.as_ref()]);
+    containers
+        .chain(pod_level)
+        .chain([spec.overhead.as_ref()])
+        .flatten()
+        .flat_map(|list| list.keys())
+        .find(|name| !WEIGHED.contains(&name.as_str()))
+        .cloned()
 }
 
 /// The filters of kube-scheduler that `PodRules` does not reproduce, if one applies to the pod.
@@ -628,6 +696,114 @@ mod tests {
             &rules(json!({"containers": app(), "affinity": {"nodeAffinity": {}}})),
             json!({})
         ));
+    }
+
+    #[test]
+    fn a_pinned_pod_admits_its_node_only_and_keeps_its_own_rules() {
+        let admits = |spec: &PodSpec, name: &str, labels: Value| {
+            let pod = Pod {
+                spec: Some(spec.clone()),
+                ..Pod::default()
+            };
+            PodRules::of(&pod)
+                .expect("rules")
+                .admits(&labelled(name, labels), Resources::default())
+                .is_ok()
+        };
+        let pin = |spec: &mut PodSpec, node: &str| {
+            let selector = pinned_to(spec, node);
+            spec.affinity
+                .get_or_insert_default()
+                .node_affinity
+                .get_or_insert_default()
+                .required_during_scheduling_ignored_during_execution = Some(selector);
+        };
+        // No affinity: one term naming the node.
+        let mut spec: PodSpec = serde_json::from_value(json!({"containers": app()})).expect("spec");
+        pin(&mut spec, "gpu-1");
+        assert!(admits(&spec, "gpu-1", json!({})));
+        assert!(!admits(&spec, "gpu-2", json!({})));
+        let terms = &spec
+            .affinity
+            .as_ref()
+            .expect("affinity")
+            .node_affinity
+            .as_ref()
+            .expect("node")
+            .required_during_scheduling_ignored_during_execution
+            .as_ref()
+            .expect("required")
+            .node_selector_terms;
+        assert_eq!(terms.len(), 1);
+
+        // Two terms, ORed: each gains the node (no term added, the old requirements first, as the
+        // API server requires of a gated pod); the empty one, which matches nothing, stays empty.
+        let mut spec: PodSpec =
+            serde_json::from_value(json!({"containers": app(), "affinity": {"nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+                {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["a"]}]},
+                {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["b"]}]},
+                {}]}}}}))
+            .expect("spec");
+        pin(&mut spec, "gpu-1");
+        let terms = &spec
+            .affinity
+            .as_ref()
+            .expect("affinity")
+            .node_affinity
+            .as_ref()
+            .expect("node")
+            .required_during_scheduling_ignored_during_execution
+            .as_ref()
+            .expect("required")
+            .node_selector_terms;
+        assert_eq!(terms.len(), 3);
+        assert_eq!(terms[0].match_expressions.as_ref().expect("kept")[0].key, "zone");
+        assert_eq!(
+            terms[1].match_fields.as_ref().expect("pinned")[0].values,
+            Some(vec!["gpu-1".to_string()])
+        );
+        assert!(terms[2].match_expressions.is_none() && terms[2].match_fields.is_none());
+        assert!(admits(&spec, "gpu-1", json!({"zone": "b"})));
+        assert!(!admits(&spec, "gpu-2", json!({"zone": "b"})), "another node");
+        assert!(
+            !admits(&spec, "gpu-1", json!({"zone": "c"})),
+            "its own rule still holds"
+        );
+    }
+
+    #[test]
+    fn only_a_pod_that_asks_what_the_placer_weighs_is_pinned() {
+        let asks = |requests: Value| -> PodSpec {
+            serde_json::from_value(json!({"containers": [ctr("app", requests)]})).expect("spec")
+        };
+        assert_eq!(unweighed_request(&asks(json!({}))), None);
+        assert_eq!(
+            unweighed_request(&asks(
+                json!({"cpu": "2", "memory": "1Gi", "ephemeral-storage": "1Gi"})
+            )),
+            None
+        );
+        assert_eq!(
+            unweighed_request(&asks(json!({"cpu": "2", "rdma/ib": "1"}))).as_deref(),
+            Some("rdma/ib")
+        );
+        assert_eq!(
+            unweighed_request(&asks(json!({"hugepages-2Mi": "1Gi"}))).as_deref(),
+            Some("hugepages-2Mi")
+        );
+        // An init container's, and the pod's overhead, count too.
+        let mut s = asks(json!({}));
+        s.init_containers = Some(vec![
+            serde_json::from_value(ctr("init", json!({"example.com/fpga": "1"}))).expect("ctr"),
+        ]);
+        assert_eq!(unweighed_request(&s).as_deref(), Some("example.com/fpga"));
+        let mut s = asks(json!({}));
+        s.overhead = Some(BTreeMap::from([(
+            "example.com/sandbox".to_string(),
+            k8s_openapi::apimachinery::pkg::api::resource::Quantity("1".into()),
+        )]));
+        assert_eq!(unweighed_request(&s).as_deref(), Some("example.com/sandbox"));
     }
 
     #[test]

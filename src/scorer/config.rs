@@ -99,6 +99,12 @@ pub struct DraPlacementConfig {
     /// scorer's own, `POD_NAMESPACE`, when empty).
     pub lease_namespace: String,
     pub lease_name: String,
+    /// Whether a placed pod is also pinned to its node when its gate is removed (a required node
+    /// affinity on `metadata.name`, as a DaemonSet's pods have): kube-scheduler then runs its filters
+    /// on that node alone, where the claims already bind the pod, rather than on every node. A pinned
+    /// pod that cannot run there after all (a pod kube-scheduler placed took the CPU meanwhile) waits
+    /// for that node.
+    pub pin_to_node: bool,
 }
 
 impl Default for DraPlacementConfig {
@@ -109,6 +115,7 @@ impl Default for DraPlacementConfig {
             scheduling_gate: PLACEMENT_GATE.into(),
             lease_namespace: String::new(),
             lease_name: "gpumem-dra-placement".into(),
+            pin_to_node: true,
         }
     }
 }

@@ -220,6 +220,12 @@ scenario_dra_placer() {
           - matchExpressions: [{key: kubernetes.io/hostname, operator: In, values: [$REAL_NODE]}]" pr-1000
   eventually "a pod with a required node affinity runs" 30 is_running pr-affinity
   check_placed pr-affinity 1 "$REAL_NODE" gpu-0 gpu-1 gpu-2 gpu-3
+  # Placed, a pod is pinned to its node (kube-scheduler then filters that node alone): its one term
+  # keeps its own requirement and gains the node's name.
+  local term='.spec.affinity.nodeAffinity.requiredDuringSchedulingIgnoredDuringExecution.nodeSelectorTerms'
+  expect_eq "pr-affinity: pinned to $REAL_NODE in its one term, its own requirement kept" \
+    "kubernetes.io/hostname metadata.name In $REAL_NODE" \
+    "$(kn get pod pr-affinity -o "jsonpath={$term[*].matchExpressions[0].key} {$term[*].matchFields[0].key} {$term[*].matchFields[0].operator} {$term[*].matchFields[0].values[*]}" 2> /dev/null)"
 
   # The tainted node: without the toleration the pod waits gated and the scorer says why; with it,
   # the pod is placed there.
@@ -256,6 +262,8 @@ EOF
   eventually "a pod asking $cpus CPUs (the real node has fewer) is bound to $FAKE_DRA_NODE" 30 \
     bound_to pr-cpu "$FAKE_DRA_NODE"
   check_placed pr-cpu 1 "$FAKE_DRA_NODE" gpu-0 gpu-1 gpu-2 gpu-3
+  expect_eq "pr-cpu (no node affinity of its own): pinned to $FAKE_DRA_NODE by one term" "$FAKE_DRA_NODE" \
+    "$(pod_field pr-cpu "$term[*].matchFields[?(@.key==\"metadata.name\")].values[*]")"
 
   local pod
   for pod in pr-t4 pr-big pr-two pr-duo pr-first pr-affinity pr-taint pr-tolerates pr-cpu; do
