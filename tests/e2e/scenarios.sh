@@ -432,8 +432,8 @@ scenario_claims() {
     "$(pod_field c-t4-15000mib '.metadata.annotations.gpumem\.io/workload-class')"
   local listed described
   listed=$(kn get gpuclaims)
-  expect_eq "kubectl get gpuclaims: the columns" "NAME MEM MIN PHASE NODE AGE" "$(head -1 <<< "$listed" | tr -s ' ')"
-  expect_contains "kubectl get gpuclaims: the claim's row" "c-t4 15000 8000 Running $REAL_NODE" "$(tr -s ' ' <<< "$listed")"
+  expect_eq "kubectl get gpuclaims: the columns" "NAME MEM MIN PHASE NODE PATH AGE" "$(head -1 <<< "$listed" | tr -s ' ')"
+  expect_contains "kubectl get gpuclaims: the claim's row" "c-t4 15000 8000 Running $REAL_NODE devicePlugin" "$(tr -s ' ' <<< "$listed")"
   described=$(kn describe gpuclaim c-t4)
   printf '%s\n' "$listed" "$described" > "$RUN_OUT/claim-c-t4.txt"
   expect_contains "kubectl describe: the steps" "Steps:" "$described"
