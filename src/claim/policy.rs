@@ -152,8 +152,15 @@ impl Plan {
     pub fn pod_path(&self, status: &GpuClaimStatus) -> ClaimPath {
         match (self.path, status.path) {
             (ClaimPath::Auto, Some(p @ (ClaimPath::DevicePlugin | ClaimPath::Dra))) => p,
-            (ClaimPath::Auto, _) => ClaimPath::DevicePlugin,
-            (fixed, _) => fixed,
+            _ => self.first_path(),
+        }
+    }
+
+    /// The path each request is asked on first.
+    pub fn first_path(&self) -> ClaimPath {
+        match self.path {
+            ClaimPath::Auto => ClaimPath::DevicePlugin,
+            fixed => fixed,
         }
     }
 
@@ -495,7 +502,7 @@ pub fn decide(claim: &GpuClaim, plan: &Result<Plan, String>, pods: &[PodView], n
                     request = to;
                     status.request_mib = Some(request);
                     // Each request starts again on the device-plugin path.
-                    path = plan.pod_path(&GpuClaimStatus::default());
+                    path = plan.first_path();
                     status.path = Some(path);
                     create(&mut status, &mut decision, pod_name(name, request), request, path);
                     set_condition(
@@ -659,6 +666,7 @@ pub fn build_pod(claim: &GpuClaim, plan: &Plan, path: ClaimPath, request_mib: u6
     }
     let mut spec = template.spec.unwrap_or_default();
     match path {
+        // (`Auto` is never a pod's path: `Plan::pod_path` resolves it.)
         ClaimPath::DevicePlugin | ClaimPath::Auto => {
             let units = request_mib.div_ceil(unit_mib.max(1));
             if let Some(first) = spec.containers.first_mut() {

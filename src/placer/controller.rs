@@ -1520,14 +1520,10 @@ impl Placer {
     /// `Known::marked` (it holds the lock).
     fn mark_unschedulable(&self, pod: &Pod, why: &str, nominated: Option<String>) {
         if let Some((client, _)) = &self.reporter {
-            let mut end = why.len().min(2000);
-            while !why.is_char_boundary(end) {
-                end -= 1;
-            }
             let mark = Placed {
                 placed: false,
                 reason: "NoRoom",
-                message: why[..end].to_string(),
+                message: why.to_string(),
                 nominated: Some(nominated),
             };
             set_placed_condition(client, pod, mark);
@@ -1538,30 +1534,33 @@ impl Placer {
     /// once carries no such condition, and costs no write), and clears its nomination: its claims
     /// now say where it goes.
     fn mark_placed(&self, client: &Client, pod: &Pod, node: &str) {
-        let uid = pod.metadata.uid.clone().unwrap_or_default();
-        if self.known().marked.remove(&uid) {
-            let mark = Placed {
-                placed: true,
-                reason: "Placed",
-                message: format!("its claims are allocated on node {node}"),
-                nominated: Some(None),
-            };
-            set_placed_condition(client, pod, mark);
-        }
+        let mark = Placed {
+            placed: true,
+            reason: "Placed",
+            message: format!("its claims are allocated on node {node}"),
+            nominated: Some(None),
+        };
+        self.remark(client, pod, mark);
     }
 
     /// On a pod it had marked unplaced and now releases to kube-scheduler unplaced: reason
     /// `Released`, so that nobody reads the old `NoRoom` as the pod's state (kube-scheduler's
     /// `PodScheduled` says what comes of it).
     fn mark_released(&self, client: &Client, pod: &Pod, why: &str) {
-        let uid = pod.metadata.uid.clone().unwrap_or_default();
-        if self.known().marked.remove(&uid) {
-            let mark = Placed {
-                placed: false,
-                reason: "Released",
-                message: format!("released to kube-scheduler: {why}"),
-                nominated: None,
-            };
+        let mark = Placed {
+            placed: false,
+            reason: "Released",
+            message: format!("released to kube-scheduler: {why}"),
+            nominated: None,
+        };
+        self.remark(client, pod, mark);
+    }
+
+    /// Writes `mark` over the condition of a pod it had marked unplaced; a pod never marked costs
+    /// no write.
+    fn remark(&self, client: &Client, pod: &Pod, mark: Placed) {
+        let uid = pod.metadata.uid.as_deref().unwrap_or_default();
+        if self.known().marked.remove(uid) {
             set_placed_condition(client, pod, mark);
         }
     }
@@ -1681,13 +1680,19 @@ fn set_placed_condition(client: &Client, pod: &Pod, mark: Placed) {
     });
 }
 
-/// The strategic merge patch of `mark` on the pod of `uid` (a null `nominatedNodeName` removes it).
+/// The strategic merge patch of `mark` on the pod of `uid` (a null `nominatedNodeName` removes it;
+/// the message is cut to 2000 bytes).
 fn placed_patch(uid: Option<&str>, mark: Placed, now: k8s_openapi::jiff::Timestamp) -> serde_json::Value {
+    let mut end = mark.message.len().min(2000);
+    while !mark.message.is_char_boundary(end) {
+        end -= 1;
+    }
+    let message = &mark.message[..end];
     let mut patch = serde_json::json!({
         "metadata": {"uid": uid},
         "status": {"conditions": [{
             "type": PLACED_CONDITION, "status": if mark.placed { "True" } else { "False" },
-            "reason": mark.reason, "message": mark.message, "lastTransitionTime": now,
+            "reason": mark.reason, "message": message, "lastTransitionTime": now,
         }]},
     });
     if let Some(nominated) = mark.nominated {

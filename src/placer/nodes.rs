@@ -698,6 +698,16 @@ mod tests {
         ));
     }
 
+    fn required_terms(spec: &PodSpec) -> &[NodeSelectorTerm] {
+        &spec
+            .affinity
+            .as_ref()
+            .and_then(|a| a.node_affinity.as_ref())
+            .and_then(|a| a.required_during_scheduling_ignored_during_execution.as_ref())
+            .expect("a required node affinity")
+            .node_selector_terms
+    }
+
     #[test]
     fn a_pinned_pod_admits_its_node_only_and_keeps_its_own_rules() {
         let admits = |spec: &PodSpec, name: &str, labels: Value| {
@@ -723,17 +733,7 @@ mod tests {
         pin(&mut spec, "gpu-1");
         assert!(admits(&spec, "gpu-1", json!({})));
         assert!(!admits(&spec, "gpu-2", json!({})));
-        let terms = &spec
-            .affinity
-            .as_ref()
-            .expect("affinity")
-            .node_affinity
-            .as_ref()
-            .expect("node")
-            .required_during_scheduling_ignored_during_execution
-            .as_ref()
-            .expect("required")
-            .node_selector_terms;
+        let terms = required_terms(&spec);
         assert_eq!(terms.len(), 1);
 
         // Two terms, ORed: each gains the node (no term added, the old requirements first, as the
@@ -746,17 +746,7 @@ mod tests {
                 {}]}}}}))
             .expect("spec");
         pin(&mut spec, "gpu-1");
-        let terms = &spec
-            .affinity
-            .as_ref()
-            .expect("affinity")
-            .node_affinity
-            .as_ref()
-            .expect("node")
-            .required_during_scheduling_ignored_during_execution
-            .as_ref()
-            .expect("required")
-            .node_selector_terms;
+        let terms = required_terms(&spec);
         assert_eq!(terms.len(), 3);
         assert_eq!(terms[0].match_expressions.as_ref().expect("kept")[0].key, "zone");
         assert_eq!(
