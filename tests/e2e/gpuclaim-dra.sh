@@ -15,27 +15,7 @@ no_templates() { [ -z "$(claim_templates "$1")" ]; }
 scenario_dra_gpuclaim() {
   scenario "DRA: a GPUClaim of 20000 MiB on T4s steps down to 15000 and runs on the DRA node"
   wait_dra_idle
-  kn apply -f - > /dev/null <<EOF
-apiVersion: gpumem.io/v1alpha1
-kind: GPUClaim
-metadata: {name: dc-t4}
-spec:
-  path: dra
-  gpuMemMiB: 20000
-  minGpuMemMiB: 8000
-  fallbackAfter: 3s
-  gpuModels: ["Tesla T4"]
-  workloadClass: offline
-  template:
-    spec:
-      terminationGracePeriodSeconds: 1
-      nodeSelector: {kubernetes.io/hostname: $REAL_NODE}
-      containers:
-        - name: main
-          image: localhost/busybox:harness
-          imagePullPolicy: Never
-          command: [sleep, "3600"]
-EOF
+  gpu_claim dc-t4 dra 20000 '"Tesla T4"' "      nodeSelector: {kubernetes.io/hostname: $REAL_NODE}"
   eventually "the first pod's ResourceClaimTemplate asks 20000Mi of a T4" 20 \
     eval '[ "$(template_memory dc-t4-20000mib)" == 20000Mi ]'
   expect_contains "the template selects the claim's models by CEL" 'productName in ["Tesla T4"]' \
@@ -62,24 +42,25 @@ EOF
   wait_dra_idle
 }
 
-# auto_claim NAME MIB PLACEMENT: a GPUClaim of path auto for T4s or A100s, placed by PLACEMENT (YAML, 6
-# spaces in: a node selector and tolerations).
-auto_claim() {
+# gpu_claim NAME PATH MIB MODELS PLACEMENT: a GPUClaim of PATH asking MIB (down to 8000, 3 s per step) of
+# one of MODELS (JSON strings, comma-separated), placed by PLACEMENT (YAML, 6 spaces in: a node selector,
+# tolerations).
+gpu_claim() {
   kn apply -f - > /dev/null <<EOF
 apiVersion: gpumem.io/v1alpha1
 kind: GPUClaim
 metadata: {name: $1}
 spec:
-  path: auto
-  gpuMemMiB: $2
+  path: $2
+  gpuMemMiB: $3
   minGpuMemMiB: 8000
   fallbackAfter: 3s
-  gpuModels: ["Tesla T4", "NVIDIA A100-SXM4-80GB"]
+  gpuModels: [$4]
   workloadClass: offline
   template:
     spec:
       terminationGracePeriodSeconds: 1
-$3
+$5
       containers:
         - name: main
           image: localhost/busybox:harness
@@ -88,13 +69,15 @@ $3
 EOF
 }
 
+BOTH_MODELS='"Tesla T4", "NVIDIA A100-SXM4-80GB"'
+
 # claim_events CLAIM REASON: how many of the claim's events have that reason.
 claim_events() { pod_events "$1" | grep -c "^$2: "; }
 
 scenario_dra_gpuclaim_auto() {
   scenario "DRA: a GPUClaim of path auto runs on whichever path has room"
   wait_dra_idle
-  auto_claim da-t4 16000 "      nodeSelector: {kubernetes.io/hostname: $REAL_NODE}"
+  gpu_claim da-t4 auto 16000 "$BOTH_MODELS" "      nodeSelector: {kubernetes.io/hostname: $REAL_NODE}"
   eventually "16000 MiB: no T4 has it on either path; 15000 runs on the DRA node" 120 claim_phase_is da-t4 Running
   expect_eq "one step, taken on the DRA path" "16000>15000" "$(claim_steps da-t4)"
   expect_contains "the step quotes the placer" "no room for claim" "$(claim_field da-t4 '.status.steps[0].reason')"
@@ -107,7 +90,7 @@ scenario_dra_gpuclaim_auto() {
     "pod/da-t4-15000mib resourceclaimtemplate.resource.k8s.io/da-t4-15000mib" "$(claim_pods da-t4) $(claim_templates da-t4)"
   check_claim_pod da-t4-15000mib 15000
 
-  auto_claim da-a100 8000 "      nodeSelector: {kubernetes.io/hostname: gpu-node-2}
+  gpu_claim da-a100 auto 8000 "$BOTH_MODELS" "      nodeSelector: {kubernetes.io/hostname: gpu-node-2}
       tolerations: [{key: harness.local/fake-node, operator: Exists, effect: NoSchedule}]"
   eventually "8000 MiB on the A100 node, still on the device-plugin path: bound at once" 60 \
     eval '[ "$(claim_field da-a100 .status.node)" == gpu-node-2 ]'
