@@ -27,7 +27,6 @@ use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::watcher;
 use kube::{Api, Client};
 
-use super::PLACED_CONDITION;
 use super::cel::Selector;
 use super::claims::{
     AllocatedShare, Alternative, ClaimAsk, ClaimPlan, Need, allocated_shares, allocation_result, claim_ask,
@@ -36,6 +35,7 @@ use super::claims::{
 use super::nodes::{self, NodeFacts, PodRules};
 use super::place::{self, DraNode, Ranked, SelectionMemo, Unplaced};
 use super::victims::{self, Holder};
+use super::{PLACED_CONDITION, PLACEMENT_ANNOTATION};
 use crate::lease;
 use crate::scorer::Scorer;
 use crate::scorer::config::DraPlacementConfig;
@@ -439,7 +439,7 @@ enum Decision {
     Write {
         writes: Vec<(ResourceClaim, AllocationResult)>,
         node: String,
-        /// What each claim gets, for the pod's Event (`claim: gpu-2 5000Mi`).
+        /// What each claim gets, for the pod's [`PLACEMENT_ANNOTATION`] (`claim: gpu-2 5000Mi`).
         summary: String,
     },
 }
@@ -1191,7 +1191,7 @@ impl Placer {
         kind: &'static str,
         why: String,
     ) -> Result<Decision, kube::Error> {
-        self.release(client, pod, None).await?;
+        self.release(client, pod, None, None).await?;
         self.mark_released(client, pod, &why);
         Ok(Decision::Done(Outcome::Released(kind, why)))
     }
@@ -1257,14 +1257,16 @@ impl Placer {
     }
 
     /// Writes every claim of a decision, then releases the pod (pinned to `node`, unless the
-    /// configuration says otherwise or the pod asks for a resource the placer does not weigh). A claim written before a later one failed stays allocated: the
-    /// next decision finds it so and keeps the pod on its node.
+    /// configuration says otherwise or the pod asks for a resource the placer does not weigh), with
+    /// `summary` in its [`PLACEMENT_ANNOTATION`]. A claim written before a later one failed stays
+    /// allocated: the next decision finds it so and keeps the pod on its node.
     async fn write_all(
         &self,
         client: &Client,
         pod: &Pod,
         node: &str,
         writes: Vec<(ResourceClaim, AllocationResult)>,
+        summary: &str,
     ) -> Result<Option<String>, kube::Error> {
         for (claim, allocation) in writes {
             if let Some(why) = self.write(client, pod, claim, allocation).await? {
@@ -1276,29 +1278,27 @@ impl Placer {
                 .spec
                 .as_ref()
                 .is_some_and(|s| nodes::unweighed_request(s).is_none());
-        self.release(client, pod, pin.then_some(node)).await?;
+        let placement = format!("on node {node}: {summary}");
+        self.release(client, pod, pin.then_some(node), Some(&placement))
+            .await?;
         Ok(None)
     }
 
     /// Removes the gate from `pod`, in the same write pinning it to node `pin` when given
-    /// ([`nodes::pinned_to`]): kube-scheduler takes it from here.
-    async fn release(&self, client: &Client, pod: &Pod, pin: Option<&str>) -> Result<(), kube::Error> {
+    /// ([`nodes::pinned_to`]) and saying where its claims went (`placement`, the
+    /// [`PLACEMENT_ANNOTATION`]): kube-scheduler takes it from here.
+    async fn release(
+        &self,
+        client: &Client,
+        pod: &Pod,
+        pin: Option<&str>,
+        placement: Option<&str>,
+    ) -> Result<(), kube::Error> {
         let pods: Api<Pod> = Api::namespaced(
             client.clone(),
             pod.metadata.namespace.as_deref().unwrap_or("default"),
         );
-        // A strategic-merge delete of the one gate: other gates stay, and the UID precondition keeps a
-        // pod of the same name made meanwhile untouched.
-        let mut patch = serde_json::json!({
-            "metadata": {"uid": pod.metadata.uid},
-            "spec": {"schedulingGates": [{"name": self.config.scheduling_gate, "$patch": "delete"}]},
-        });
-        if let (Some(node), Some(spec)) = (pin, pod.spec.as_ref()) {
-            // The terms are an atomic list: the patch carries all of them.
-            patch["spec"]["affinity"] = serde_json::json!({"nodeAffinity": {
-                "requiredDuringSchedulingIgnoredDuringExecution": nodes::pinned_to(spec, node),
-            }});
-        }
+        let patch = release_patch(pod, &self.config.scheduling_gate, pin, placement);
         match pods
             .patch(
                 pod.metadata.name.as_deref().unwrap_or_default(),
@@ -1448,7 +1448,7 @@ impl Placer {
                             .map(|(c, _)| c.metadata.uid.clone().unwrap_or_default())
                             .collect();
                         let claims: Vec<String> = writes.iter().map(|(c, _)| claim_key(c)).collect();
-                        let outcome = me.write_all(&client, &pod, &node, writes).await;
+                        let outcome = me.write_all(&client, &pod, &node, writes, &summary).await;
                         drop(permit);
                         me.known().writing.remove(&uid);
                         let unassume = |me: &Placer| {
@@ -1461,12 +1461,9 @@ impl Placer {
                             Ok(None) => {
                                 scorer.placed_on_dra(started);
                                 me.mark_placed(&client, &pod, &node);
-                                tracing::info!(pod = %key, %node, claims = ?claims, "placed the pod's claims");
-                                me.tell(
-                                    &pod,
-                                    EventType::Normal,
-                                    "GPUPlaced",
-                                    &format!("on node {node}: {summary}"),
+                                tracing::info!(
+                                    pod = %key, %node, claims = ?claims, placement = %summary,
+                                    "placed the pod's claims"
                                 );
                                 me.forget(&uid);
                             }
@@ -1680,6 +1677,27 @@ fn set_placed_condition(client: &Client, pod: &Pod, mark: Placed) {
     });
 }
 
+/// The strategic merge patch that removes `gate` from `pod`, pins it to node `pin` when given and
+/// writes `placement` as its [`PLACEMENT_ANNOTATION`] when given.
+fn release_patch(pod: &Pod, gate: &str, pin: Option<&str>, placement: Option<&str>) -> serde_json::Value {
+    // A strategic-merge delete of the one gate: other gates stay, and the UID precondition keeps a
+    // pod of the same name made meanwhile untouched.
+    let mut patch = serde_json::json!({
+        "metadata": {"uid": pod.metadata.uid},
+        "spec": {"schedulingGates": [{"name": gate, "$patch": "delete"}]},
+    });
+    if let Some(placement) = placement {
+        patch["metadata"]["annotations"] = serde_json::json!({PLACEMENT_ANNOTATION: placement});
+    }
+    if let (Some(node), Some(spec)) = (pin, pod.spec.as_ref()) {
+        // The terms are an atomic list: the patch carries all of them.
+        patch["spec"]["affinity"] = serde_json::json!({"nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": nodes::pinned_to(spec, node),
+        }});
+    }
+    patch
+}
+
 /// The strategic merge patch of `mark` on the pod of `uid` (a null `nominatedNodeName` removes it;
 /// the message is cut to 2000 bytes).
 fn placed_patch(uid: Option<&str>, mark: Placed, now: k8s_openapi::jiff::Timestamp) -> serde_json::Value {
@@ -1845,6 +1863,37 @@ mod tests {
         // Left alone: not in the patch at all.
         let patch = placed_patch(Some("u1"), mark(None), now);
         assert!(patch["status"].get("nominatedNodeName").is_none());
+    }
+
+    #[test]
+    fn the_release_removes_only_the_gate_and_says_where_the_claims_went() {
+        let pod: Pod = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "p", "namespace": "ns", "uid": "u1"},
+            "spec": {"containers": [], "schedulingGates": [{"name": PLACEMENT_GATE}, {"name": "other"}]},
+        }))
+        .expect("a pod");
+        let placed = release_patch(
+            &pod,
+            PLACEMENT_GATE,
+            Some("n1"),
+            Some("on node n1: c: gpu-2 3000Mi"),
+        );
+        assert_eq!(placed["metadata"]["uid"], "u1");
+        assert_eq!(
+            placed["spec"]["schedulingGates"],
+            serde_json::json!([{"name": PLACEMENT_GATE, "$patch": "delete"}])
+        );
+        assert_eq!(
+            placed["metadata"]["annotations"][PLACEMENT_ANNOTATION],
+            "on node n1: c: gpu-2 3000Mi"
+        );
+        let terms = &placed["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+            ["nodeSelectorTerms"];
+        assert_eq!(terms[0]["matchFields"][0]["values"], serde_json::json!(["n1"]));
+        // Released unplaced: the gate only.
+        let unplaced = release_patch(&pod, PLACEMENT_GATE, None, None);
+        assert!(unplaced["metadata"].get("annotations").is_none());
+        assert!(unplaced["spec"].get("affinity").is_none());
     }
 
     #[test]

@@ -36,6 +36,11 @@ use crate::scorer::config::DraPlacementConfig;
 /// leaves `PodScheduled` (`SchedulingGated`) to the API server and kube-scheduler.
 pub const PLACED_CONDITION: &str = "gpumem.io/Placed";
 
+/// The pod annotation in which the placer says where it placed the pod's claims (`on node gpu-3:
+/// claim: gpu-2 5000Mi`), written with the removal of the gate: an Event would cost a write per pod
+/// on an API server that is the DRA path's limit at scale (docs/scale.md).
+pub const PLACEMENT_ANNOTATION: &str = "gpumem.io/placement";
+
 /// Starts the placer beside the scorer `scorer` (the `scorer` command's [`crate::scorer::cli::StartPlacer`]).
 pub fn start(scorer: Arc<Scorer>, client: Client, config: DraPlacementConfig, identity: String) {
     tracing::info!(

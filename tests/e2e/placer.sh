@@ -161,8 +161,9 @@ scenario_dra_placer() {
   placer_pod pr-t4 "$ON_REAL_NODE" pr-t4
   eventually "a T4 by CEL selector, with a node selector, runs" 30 is_running pr-t4
   check_placed pr-t4 1 "$REAL_NODE" gpu-2 gpu-3
-  eventually "pr-t4: an Event on the pod names the node and GPU" 30 \
-    has_event pr-t4 "GPUPlaced: on node $REAL_NODE: $(nth_claim pr-t4 0): $(results pr-t4 0 device) 3000Mi"
+  expect_eq "pr-t4: its gpumem.io/placement annotation names the node, claim and GPU" \
+    "on node $REAL_NODE: $(nth_claim pr-t4 0): $(results pr-t4 0 device) 3000Mi" \
+    "$(pod_field pr-t4 '.metadata.annotations.gpumem\.io/placement')"
   check_claim_pod pr-t4 3000
 
   # Memory by CEL: the capacity as a quantity and the memoryMiB attribute. The fake node's taint keeps
