@@ -14,9 +14,12 @@
 //! - [`quantity`]: Kubernetes resource quantities (`5k`, `1.5Gi`, `500m`), read exactly as the API
 //!   server reads them, for the agent and the scorer;
 //! - [`requests`]: what a pod requests of its node, as kube-scheduler counts it;
+//! - [`affinity`]: which nodes a pod's node selector and required node affinity admit, as
+//!   kube-scheduler reads them;
 //! - [`names`]: Kubernetes object names, checked as the API server checks them;
 //! - [`tls`]: the extender's TLS (client certificates kube-scheduler presents) and `gpumem certs`.
 
+pub mod affinity;
 pub mod agent;
 pub mod alloc;
 pub mod claim;

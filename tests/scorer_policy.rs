@@ -234,3 +234,86 @@ async fn the_scorer_ranks_and_chooses_gpus_as_the_simulators_policy_does() {
     assert_eq!(scorer.workload.current().generation, online.generation());
     assert_eq!(*scorer.workload.current().mix, *online.mix());
 }
+
+/// A pod that selects its GPU model by the node's labels (`nvidia.com/gpu.product`, as users of the
+/// device-plugin path do) is learned as restricted to the models of the nodes it may use, as one with
+/// `gpumem.io/gpu-models` is: the policy's scarcity term then keeps room on that model for such pods.
+/// A selection that every node's model passes restricts nothing.
+#[test]
+fn a_pod_that_selects_its_model_by_node_labels_is_learned_restricted_to_it() {
+    use gpumem::scorer::cache::NodeCache;
+    use gpumem::scorer::state::{Demand, NodeSnapshot};
+    let labelled = |name: &str, model: &'static str, product: &str, zone: &str| {
+        let gpus: Vec<G> = (0..4)
+            .map(|_| G {
+                model,
+                ..g(if model == "Tesla T4" { 15360 } else { 81920 }, 0)
+            })
+            .collect();
+        let mut v = node_json(name, &gpus);
+        v["metadata"]["labels"]["nvidia.com/gpu.product"] = json!(product);
+        v["metadata"]["labels"]["topology.kubernetes.io/zone"] = json!(zone);
+        serde_json::from_value::<k8s_openapi::api::core::v1::Node>(v).expect("a node")
+    };
+    let nodes = [
+        labelled("t4-0", "Tesla T4", "Tesla-T4", "a"),
+        labelled("a100-0", "NVIDIA A100-SXM4-80GB", "NVIDIA-A100-SXM4-80GB", "a"),
+    ];
+    let restricted_types = |spec: Value, annotations: Value| {
+        let scorer = Scorer::new(
+            ScorerConfig::default(),
+            None,
+            Some(NodeCache::from_nodes(nodes.clone())),
+            None,
+        );
+        let demand = Demand::Memory { units: 6000 };
+        for i in 0..400 {
+            let mut pod = pod_json(&format!("p{i}"), 6000, 0, annotations.clone(), json!({}));
+            for (k, v) in spec.as_object().into_iter().flatten() {
+                pod["spec"][k] = v.clone();
+            }
+            let pod: k8s_openapi::api::core::v1::Pod = serde_json::from_value(pod).expect("a pod");
+            let d = scorer.demand_of(&pod, demand).expect("a demand");
+            if i == 0 {
+                // The policy's view learns the cluster's models from a ranking of a pod of any model.
+                let all = nodes.each_ref().map(|n| Arc::new(NodeSnapshot::from_node(n)));
+                let any = pod_json("any", 6000, 0, json!({}), json!({}));
+                let any = serde_json::from_value(any).expect("a pod");
+                scorer.rank(&all, &scorer.demand_of(&any, demand).expect("a demand"));
+            }
+            scorer.learn(&d, 6000);
+        }
+        let mix = scorer.workload.current().mix;
+        mix.all
+            .iter()
+            .filter(|t| t.models.is_some())
+            .map(|t| t.models)
+            .collect::<Vec<_>>()
+    };
+    let by_selector = restricted_types(
+        json!({"nodeSelector": {"nvidia.com/gpu.product": "Tesla-T4"}}),
+        json!({}),
+    );
+    assert_eq!(by_selector.len(), 1, "one restricted type: {by_selector:?}");
+    let by_affinity = restricted_types(
+        json!({"affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+            "nodeSelectorTerms": [{"matchExpressions": [
+                {"key": "nvidia.com/gpu.product", "operator": "In", "values": ["Tesla-T4"]}]}]}}}}),
+        json!({}),
+    );
+    let by_annotation = restricted_types(json!({}), json!({"gpumem.io/gpu-models": "Tesla T4"}));
+    assert_eq!(
+        by_selector, by_annotation,
+        "a node selector restricts as the annotation does"
+    );
+    assert_eq!(by_affinity, by_annotation, "so does a required affinity");
+    assert!(
+        restricted_types(
+            json!({"nodeSelector": {"topology.kubernetes.io/zone": "a"}}),
+            json!({})
+        )
+        .is_empty(),
+        "a zone with every model restricts nothing"
+    );
+    assert!(restricted_types(json!({}), json!({})).is_empty());
+}

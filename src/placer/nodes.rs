@@ -12,8 +12,7 @@
 //! - TaintToleration: every NoSchedule and NoExecute taint must be tolerated (component-helpers'
 //!   `ToleratesTaint`); PreferNoSchedule only scores;
 //! - NodeAffinity: `spec.nodeSelector` and the required node affinity, parsed as
-//!   component-helpers' `nodeaffinity` parses them (a term that is empty or does not parse matches
-//!   nothing; see [`Term`]); preferred terms only score;
+//!   component-helpers' `nodeaffinity` parses them ([`crate::affinity`]); preferred terms only score;
 //! - NodeResourcesFit for cpu, memory, ephemeral-storage and the pod count: the pod's request
 //!   (component-helpers' `PodRequests`: sidecars, init containers, pod-level requests, overhead) must
 //!   fit the node's allocatable less what its pods request ([`Resources::requested_by`]).
@@ -49,6 +48,7 @@ use k8s_openapi::api::core::v1::{
     Node, NodeSelector, NodeSelectorRequirement, NodeSelectorTerm, Pod, PodSpec, Taint,
 };
 
+use crate::affinity::NodeSelection;
 use crate::requests::Resources;
 
 /// What kube-scheduler's node filters read of a Node, kept per node by the placer's watch (small: no
@@ -106,9 +106,7 @@ pub enum Unplaceable {
 #[derive(Debug, Clone)]
 pub struct PodRules {
     node_name: Option<String>,
-    node_selector: BTreeMap<String, String>,
-    /// The required node affinity's terms that can match (`None`: there is none, any node will do).
-    affinity: Option<Vec<Term>>,
+    selection: NodeSelection,
     tolerations: Vec<Tol>,
     request: Resources,
 }
@@ -119,11 +117,6 @@ impl PodRules {
         let default_spec = PodSpec::default();
         let spec = pod.spec.as_ref().unwrap_or(&default_spec);
         leave_to_scheduler(spec)?;
-        let required = spec
-            .affinity
-            .as_ref()
-            .and_then(|a| a.node_affinity.as_ref())
-            .and_then(|a| a.required_during_scheduling_ignored_during_execution.as_ref());
         let tolerations = spec
             .tolerations
             .iter()
@@ -146,8 +139,7 @@ impl PodRules {
             .collect::<Result<_, _>>()?;
         Ok(PodRules {
             node_name: spec.node_name.clone().filter(|n| !n.is_empty()),
-            node_selector: spec.node_selector.clone().unwrap_or_default(),
-            affinity: required.map(|r| r.node_selector_terms.iter().filter_map(Term::parse).collect()),
+            selection: NodeSelection::of(spec),
             tolerations,
             request: Resources::asked_by(pod),
         })
@@ -175,7 +167,7 @@ impl PodRules {
                 ));
             }
         }
-        if !self.matches_affinity(node) {
+        if !self.selection.admits(&node.name, &node.labels) {
             return Err("node(s) didn't match Pod's node affinity/selector".into());
         }
         self.fits(&node.allocatable, in_use)
@@ -194,17 +186,6 @@ impl PodRules {
                     TolOp::Never => false,
                 }
         })
-    }
-
-    /// `RequiredNodeAffinity.Match`: the node selector, then the terms ORed.
-    fn matches_affinity(&self, node: &NodeFacts) -> bool {
-        self.node_selector
-            .iter()
-            .all(|(k, v)| node.labels.get(k) == Some(v))
-            && self
-                .affinity
-                .as_ref()
-                .is_none_or(|terms| terms.iter().any(|t| t.matches(node)))
     }
 
     /// NodeResourcesFit's `fitsRequest`, all reasons joined as kube-scheduler's status message joins
@@ -405,118 +386,6 @@ enum TolOp {
     Exists,
     /// An operator kube-scheduler does not know.
     Never,
-}
-
-/// A nodeSelectorTerm that can match. As component-helpers' `nodeaffinity` has it, a term with
-/// neither expressions nor fields, or with a requirement that does not parse (unknown operator, key
-/// not a label key, value not a label value, wrong number of values, `Gt`/`Lt` value not an integer,
-/// a field requirement other than `In`/`NotIn` with one value), matches no node: such a term is
-/// dropped, and a required affinity left with no term admits no node.
-#[derive(Debug, Clone)]
-struct Term {
-    labels: Vec<(String, LabelOp)>,
-    /// Node fields (`metadata.name`; any other key reads as ""): the value, and whether it must equal.
-    fields: Vec<(String, String, bool)>,
-}
-
-#[derive(Debug, Clone)]
-enum LabelOp {
-    In(Vec<String>),
-    NotIn(Vec<String>),
-    Exists,
-    DoesNotExist,
-    Gt(i64),
-    Lt(i64),
-}
-
-impl Term {
-    fn parse(term: &NodeSelectorTerm) -> Option<Term> {
-        let expressions = term.match_expressions.as_deref().unwrap_or_default();
-        let fields = term.match_fields.as_deref().unwrap_or_default();
-        if expressions.is_empty() && fields.is_empty() {
-            return None;
-        }
-        Some(Term {
-            labels: expressions.iter().map(label_requirement).collect::<Option<_>>()?,
-            fields: fields.iter().map(field_requirement).collect::<Option<_>>()?,
-        })
-    }
-
-    fn matches(&self, node: &NodeFacts) -> bool {
-        let labels = self.labels.iter().all(|(key, op)| {
-            let value = node.labels.get(key);
-            match op {
-                LabelOp::In(values) => value.is_some_and(|v| values.contains(v)),
-                LabelOp::NotIn(values) => value.is_none_or(|v| !values.contains(v)),
-                LabelOp::Exists => value.is_some(),
-                LabelOp::DoesNotExist => value.is_none(),
-                // A label that is not an integer does not match.
-                LabelOp::Gt(n) => value.and_then(|v| v.parse::<i64>().ok()).is_some_and(|v| v > *n),
-                LabelOp::Lt(n) => value.and_then(|v| v.parse::<i64>().ok()).is_some_and(|v| v < *n),
-            }
-        });
-        // kube-scheduler skips the fields of a node without a name.
-        let fields = node.name.is_empty()
-            || self.fields.iter().all(|(key, value, equal)| {
-                let actual = if key == "metadata.name" {
-                    node.name.as_str()
-                } else {
-                    ""
-                };
-                (actual == value) == *equal
-            });
-        labels && fields
-    }
-}
-
-/// `labels.NewRequirement`'s checks, with the node selector operators.
-fn label_requirement(r: &NodeSelectorRequirement) -> Option<(String, LabelOp)> {
-    let values = r.values.clone().unwrap_or_default();
-    if !is_label_key(&r.key) || !values.iter().all(|v| is_label_value(v)) {
-        return None;
-    }
-    let op = match (r.operator.as_str(), values.as_slice()) {
-        ("In", [_, ..]) => LabelOp::In(values),
-        ("NotIn", [_, ..]) => LabelOp::NotIn(values),
-        ("Exists", []) => LabelOp::Exists,
-        ("DoesNotExist", []) => LabelOp::DoesNotExist,
-        ("Gt", [v]) => LabelOp::Gt(v.parse().ok()?),
-        ("Lt", [v]) => LabelOp::Lt(v.parse().ok()?),
-        _ => return None,
-    };
-    Some((r.key.clone(), op))
-}
-
-/// `nodeSelectorRequirementsAsFieldSelector`: `In` or `NotIn` with exactly one value.
-fn field_requirement(r: &NodeSelectorRequirement) -> Option<(String, String, bool)> {
-    match (r.operator.as_str(), r.values.as_deref().unwrap_or_default()) {
-        ("In", [v]) => Some((r.key.clone(), v.clone(), true)),
-        ("NotIn", [v]) => Some((r.key.clone(), v.clone(), false)),
-        _ => None,
-    }
-}
-
-/// apimachinery's `IsLabelKey`: an optional DNS-1123 subdomain and '/', then a name part.
-fn is_label_key(key: &str) -> bool {
-    let (prefix, name) = match key.split_once('/') {
-        Some((prefix, name)) => (Some(prefix), name),
-        None => (None, key),
-    };
-    prefix.is_none_or(|p| crate::names::check_subdomain(p).is_ok())
-        && !name.is_empty()
-        && is_label_value(name)
-}
-
-/// apimachinery's `IsLabelValue`: at most 63 of letters, digits, '-', '_', '.', starting and ending
-/// alphanumeric, or empty.
-fn is_label_value(value: &str) -> bool {
-    let b = value.as_bytes();
-    let alnum = |c: &u8| c.is_ascii_alphanumeric();
-    b.len() <= 63
-        && (b.is_empty()
-            || (b.first().is_some_and(alnum)
-                && b.last().is_some_and(alnum)
-                && b.iter().all(|c| alnum(c) || matches!(c, b'-' | b'_' | b'.'))))
 }
 
 #[cfg(test)]

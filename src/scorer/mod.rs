@@ -46,6 +46,8 @@ use self::ledger::Ledger;
 use self::metrics::{Metrics, VerbLabel};
 use self::pods::{PodCache, PodRecord};
 use self::state::{ClassRules, NodeSnapshot, PodDemand};
+use crate::affinity::NodeSelection;
+use crate::alloc;
 
 /// A request the scorer cannot work with (HTTP 400).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -337,12 +339,32 @@ impl Scorer {
     /// Counts `pod`, asking `need_mib` of one GPU where it is a memory pod, into the learned mix (once
     /// per UID), with the models it is restricted to: the policy's scarcity term keeps a model that
     /// such pods depend on for them, rather than filling it with pods that could run anywhere.
+    /// Without a list of models, the pod is restricted to the models of the nodes its node selection
+    /// admits (a `nvidia.com/gpu.product` selector, a `nvidia.com/gpu.memory` affinity), read from
+    /// the node cache once per pod.
     pub fn learn(&self, pod: &PodDemand, need_mib: u64) {
-        let models = pod
-            .models
-            .as_ref()
-            .and_then(|_| self.policy_cache.model_set(|m| pod.allows_model(m)));
+        if self.workload.counted(&pod.uid) {
+            return;
+        }
+        let models = match (&pod.models, &pod.selection) {
+            (Some(_), _) => self.policy_cache.model_set(|m| pod.allows_model(m)),
+            (None, Some(selection)) => self.models_admitted(selection),
+            (None, None) => None,
+        };
         self.workload.observe(pod, need_mib, models);
+    }
+
+    /// The models of the GPUs on the nodes `selection` admits (`None`: every model, or no node cache).
+    fn models_admitted(&self, selection: &NodeSelection) -> Option<alloc::ModelSet> {
+        let nodes = self.nodes.as_ref()?;
+        let mut models = std::collections::HashSet::new();
+        for node in nodes.all() {
+            if selection.admits(&node.name, &node.labels) {
+                models.extend(node.gpus().iter().map(|g| g.model.to_ascii_lowercase()));
+            }
+        }
+        self.policy_cache
+            .model_set(|m| models.contains(&m.to_ascii_lowercase()))
     }
 
     /// The extender's ranking of `nodes` for `pod` (`None`: it does not fit there).

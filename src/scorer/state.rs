@@ -7,11 +7,13 @@
 //! demand) and the bounds on what is read from each, which the decisions rely on together.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 use k8s_openapi::api::core::v1::{Node, Pod};
 use k8s_openapi::jiff::Timestamp;
 use serde::Deserialize;
 
+use crate::affinity::NodeSelection;
 use crate::alloc::{GpuMask, MAX_GPUS_PER_NODE};
 use crate::node::{
     AGENT_RESTART_MARK_HOLDS, AGENT_RESTARTING_ANNOTATION, ASSIGNED_GPUS_ANNOTATION, AnnotationError,
@@ -111,6 +113,8 @@ pub struct NodeSnapshot {
     pub problem: Option<String>,
     /// When its agent began restarting ([`AGENT_RESTARTING_ANNOTATION`]), while the mark is on.
     pub agent_restarting: Option<Timestamp>,
+    /// The node's labels, which pods' node selectors read (shared by the node's versions).
+    pub labels: Arc<BTreeMap<String, String>>,
 }
 
 /// What every decision asks of a node's GPUs, derived once per node state: a call checks a thousand
@@ -255,6 +259,7 @@ impl NodeSnapshot {
             // Every filter answer that lists this node quotes it: kept short.
             problem: Some(bounded_reason(problem)),
             agent_restarting: None,
+            labels: Arc::default(),
         }
     }
 
@@ -268,6 +273,7 @@ impl NodeSnapshot {
     ) -> NodeSnapshot {
         let mut state = NodeSnapshot::broken(name, String::new());
         state.resource_version = resource_version.to_string();
+        state.labels = Arc::new(labels.clone());
         let read = |q: Option<&str>, value: fn(&Quantity) -> Result<u64, QuantityError>| {
             q.and_then(|q| Quantity::parse(q).and_then(|q| value(&q)).ok())
                 .unwrap_or(0)
@@ -498,6 +504,9 @@ pub struct PodDemand {
     pub demand: Demand,
     /// Acceptable models, lower-cased; `None` = any.
     pub models: Option<Vec<String>>,
+    /// The nodes its node selector and required node affinity admit (`None`: any node). Which
+    /// models those nodes have restricts the pod as `models` does, for the learned mix.
+    pub selection: Option<Arc<NodeSelection>>,
     pub topology: TopologyNeed,
     pub class: WorkloadClass,
     pub cpu_milli: u64,
@@ -689,11 +698,13 @@ pub fn demand_of(
         spec.and_then(|s| s.priority_class_name.as_deref()),
         spec.and_then(|s| s.priority),
     );
+    let selection = spec.map(NodeSelection::of).filter(|s| !s.is_any()).map(Arc::new);
     Ok(PodDemand {
         key,
         uid: meta.uid.clone().unwrap_or_default(),
         demand,
         models,
+        selection,
         topology,
         class,
         cpu_milli,

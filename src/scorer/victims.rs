@@ -239,6 +239,7 @@ mod tests {
             uid: "big".into(),
             demand: Demand::Memory { units: mib },
             models: None,
+            selection: None,
             topology: TopologyNeed::Any,
             class: WorkloadClass::Online,
             cpu_milli: 0,

@@ -171,6 +171,7 @@ mod tests {
             uid: uid.into(),
             demand: Demand::Memory { units },
             models: None,
+            selection: None,
             topology: TopologyNeed::Any,
             class: WorkloadClass::Offline,
             cpu_milli: 4000,

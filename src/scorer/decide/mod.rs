@@ -59,6 +59,7 @@ mod tests {
             uid: "u".into(),
             demand,
             models: None,
+            selection: None,
             topology: TopologyNeed::Any,
             class,
             cpu_milli: 1000,
