@@ -5,7 +5,15 @@
 
 use std::collections::BTreeMap;
 
-use k8s_openapi::api::core::v1::{NodeSelectorRequirement, NodeSelectorTerm, PodSpec};
+use k8s_openapi::api::core::v1::{NodeSelector, NodeSelectorRequirement, NodeSelectorTerm, PodSpec};
+
+/// The required node affinity of a pod of `spec`, if it has one.
+pub fn required_node_affinity(spec: &PodSpec) -> Option<&NodeSelector> {
+    spec.affinity
+        .as_ref()
+        .and_then(|a| a.node_affinity.as_ref())
+        .and_then(|a| a.required_during_scheduling_ignored_during_execution.as_ref())
+}
 
 /// A pod's node selector and the terms of its required node affinity.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -18,11 +26,7 @@ pub struct NodeSelection {
 impl NodeSelection {
     /// The selection of a pod of `spec`.
     pub fn of(spec: &PodSpec) -> NodeSelection {
-        let required = spec
-            .affinity
-            .as_ref()
-            .and_then(|a| a.node_affinity.as_ref())
-            .and_then(|a| a.required_during_scheduling_ignored_during_execution.as_ref());
+        let required = required_node_affinity(spec);
         NodeSelection {
             node_selector: spec.node_selector.clone().unwrap_or_default(),
             affinity: required.map(|r| r.node_selector_terms.iter().filter_map(Term::parse).collect()),

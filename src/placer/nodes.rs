@@ -48,7 +48,7 @@ use k8s_openapi::api::core::v1::{
     Node, NodeSelector, NodeSelectorRequirement, NodeSelectorTerm, Pod, PodSpec, Taint,
 };
 
-use crate::affinity::NodeSelection;
+use crate::affinity::{NodeSelection, required_node_affinity};
 use crate::requests::Resources;
 
 /// What kube-scheduler's node filters read of a Node, kept per node by the placer's watch (small: no
@@ -231,11 +231,7 @@ pub fn pinned_to(spec: &PodSpec, node: &str) -> NodeSelector {
         operator: "In".into(),
         values: Some(vec![node.into()]),
     };
-    let terms = spec
-        .affinity
-        .as_ref()
-        .and_then(|a| a.node_affinity.as_ref())
-        .and_then(|a| a.required_during_scheduling_ignored_during_execution.as_ref())
+    let terms = required_node_affinity(spec)
         .map(|r| r.node_selector_terms.clone())
         .unwrap_or_default();
     if terms.is_empty() {
@@ -568,11 +564,7 @@ mod tests {
     }
 
     fn required_terms(spec: &PodSpec) -> &[NodeSelectorTerm] {
-        &spec
-            .affinity
-            .as_ref()
-            .and_then(|a| a.node_affinity.as_ref())
-            .and_then(|a| a.required_during_scheduling_ignored_during_execution.as_ref())
+        &required_node_affinity(spec)
             .expect("a required node affinity")
             .node_selector_terms
     }
