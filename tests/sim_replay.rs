@@ -165,6 +165,8 @@ fn simulate_writes_table_csvs_and_chart() {
         oracle_mix: false,
         mix_window: 5000.0,
         mix_tolerance: 0.02,
+        restrict: None,
+        restrict_from: None,
         out: out.clone(),
         published: None,
         random_ties: false,
@@ -183,6 +185,13 @@ fn simulate_writes_table_csvs_and_chart() {
     let runs = std::fs::read_to_string(out.join("runs.csv")).expect("runs");
     assert_eq!(runs.lines().count(), 1 + 5 * 2, "5 rows x 2 seeds: {runs}");
     assert!(runs.contains("synthetic,gpumem/oracle,43,"));
+    let classes = std::fs::read_to_string(out.join("classes.csv")).expect("classes");
+    // Per run: 2 points x 3 classes x restricted or not.
+    assert_eq!(classes.lines().count(), 1 + 5 * 2 * 2 * 3 * 2, "{classes}");
+    assert!(
+        classes.contains("synthetic,gpumem,42,100,shared,true,"),
+        "{classes}"
+    );
     let curves = std::fs::read_to_string(out.join("curves.csv")).expect("curves");
     assert!(curves.lines().count() > 100);
     let svg = std::fs::read_to_string(out.join("unallocated.svg")).expect("chart");

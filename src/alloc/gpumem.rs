@@ -8,12 +8,9 @@
 //!    depend on pays `scarcity x pressure(model)` points per GPU taken. The pressure is the share of GPU
 //!    demand that must run on that model over its share of the cluster's capacity ([`pressure`]), scaled
 //!    by how fast the model fills relative to the cluster (free share of the cluster / free share of the
-//!    model). Without `gpu_spec` pods every pressure is 0 and the term vanishes. Its **floor** (`fl`,
-//!    `flm`): a placement that leaves a model less free room than `flm x (share of the demand only it
-//!    serves) x (free room of the cluster)` (at most the model's part of the free room) costs `fl`
-//!    points, more than FGD's whole range: unrestricted pods go elsewhere while they can, so the model
-//!    runs out no sooner than the cluster for the pods that need it. Each GPU counts as its own model
-//!    (a node may have GPUs of several models).
+//!    model). Without `gpu_spec` pods every pressure is 0 and the term vanishes. Each GPU counts as
+//!    its own model (a node may have GPUs of several models). It only reorders: every node that fits
+//!    stays a candidate.
 //! 3. **Reserve for multi-GPU work** (`rv`, `rx`): a placement that takes away a node's ability to host a
 //!    multi-GPU task type of the trace (idle GPUs, CPU, memory, model) pays
 //!    `reserve x popularity / (share of nodes able to host it)^rx`: a type only a few nodes can host
@@ -33,9 +30,9 @@ use rand::Rng;
 
 use super::fgd::Evaluator;
 use super::frag::{FragCache, FragModel, TypicalMix, TypicalType, frag_after};
-use super::{Candidate, Cluster, GpuMask, ModelId, ModelSet, Node, Policy, Request, indices};
+use super::{Candidate, Cluster, GpuMask, ModelSet, Node, Policy, Request, indices};
 
-/// The policy's knobs, for experiments. The defaults (`ft=0.001:rv=12:rx=2:sc=10:dyn=1:fl=100:flm=2`, FGD's sigmoid
+/// The policy's knobs, for experiments. The defaults (`ft=0.001:rv=12:rx=2:sc=10:dyn=1`, FGD's sigmoid
 /// score) are the policy: what the scorer runs ([`Gpumem::new`]) and `gpumem simulate` measures as
 /// "gpumem"; only the simulator builds other tunings ([`Gpumem::with_tuning`]).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -70,13 +67,6 @@ pub struct Tuning {
     pub dynamic: bool,
     /// Exponent of the reserve term's scarcity (1 / share of able nodes).
     pub reserve_exp: f64,
-    /// The scarcity term's floor: a placement that leaves a model less free room than
-    /// `floor_margin x (share of demand only it serves) x (free room of the cluster)` costs this many
-    /// points (0: off, as with `scarcity` 0). It keeps the room restricted pods will still need as the
-    /// cluster fills.
-    pub floor: f64,
-    /// How many times its expected restricted demand a model keeps free (see `floor`).
-    pub floor_margin: f64,
 }
 
 impl Default for Tuning {
@@ -96,8 +86,6 @@ impl Default for Tuning {
             scarcity: 10.0,
             dynamic: true,
             reserve_exp: 2.0,
-            floor: 100.0,
-            floor_margin: 2.0,
         }
     }
 }
@@ -298,11 +286,6 @@ pub struct Gpumem {
     now: Vec<f64>,
     /// Capacity per model.
     model_cap: Vec<f64>,
-    /// Per model: the share of GPU demand only it serves (the floor's measure).
-    share: Vec<f64>,
-    /// Scratch: this decision's free units and floor per model.
-    free: Vec<f64>,
-    floor: Vec<f64>,
     memo: Memo,
 }
 
@@ -367,12 +350,6 @@ impl Gpumem {
             Vec::new()
         };
         let model_cap = units_by_model(cluster, false);
-        // Part of the scarcity term: `sc=0` turns both off.
-        let share = if opts.floor > 0.0 && opts.scarcity > 0.0 {
-            restricted_share(&mix, cluster, &model_cap)
-        } else {
-            Vec::new()
-        };
         let memo = Memo {
             words: reserve.len().div_ceil(64),
             ..Memo::default()
@@ -381,9 +358,6 @@ impl Gpumem {
             memo,
             now: pressure.clone(),
             model_cap,
-            free: vec![0.0; share.len()],
-            floor: vec![0.0; share.len()],
-            share,
             pressure,
             reserve,
             eval: Evaluator::new(FragModel::new(&mix, &cluster.models, opts.memory).fill(opts.fill)),
@@ -396,30 +370,15 @@ impl Gpumem {
 
 impl Gpumem {
     /// Scales each model's pressure by how fast it fills: `pressure x (free share of the cluster) /
-    /// (free share of the model)`, so a scarce model that runs out first grows dearer; and sets each
-    /// model's floor (`Tuning::floor`).
+    /// (free share of the model)`, so a scarce model that runs out first grows dearer.
     fn update_pressure(&mut self, cluster: &Cluster) {
-        // Without restricted task types every pressure and floor is 0 whatever is free: no need to scan.
-        let dynamic = self.opts.dynamic && self.pressure.iter().any(|&p| p != 0.0);
-        let floors = self.share.iter().any(|&s| s != 0.0);
-        if !dynamic && !floors {
+        // Without restricted task types every pressure is 0 whatever is free: no need to scan.
+        if !self.opts.dynamic || self.pressure.iter().all(|&p| p == 0.0) {
             return;
         }
         let free = units_by_model(cluster, true);
         let total_free: f64 = free.iter().sum();
         let total_cap: f64 = self.model_cap.iter().sum();
-        if floors {
-            for (m, floor) in self.floor.iter_mut().enumerate() {
-                // Never more than the model's part of the free room: a model most restricted demand
-                // needs would otherwise be kept from every other pod.
-                let part = self.model_cap[m] / total_cap;
-                *floor = (self.opts.floor_margin * self.share[m]).min(part) * total_free;
-            }
-            self.free.clone_from(&free);
-        }
-        if !dynamic {
-            return;
-        }
         for (m, now) in self.now.iter_mut().enumerate() {
             let base = self.pressure[m];
             *now = if base == 0.0 || total_free <= 0.0 || self.model_cap[m] <= 0.0 {
@@ -517,17 +476,8 @@ impl Gpumem {
         });
     }
 
-    /// The floor's points for taking `taken` units of `model` (`Tuning::floor`).
-    #[inline]
-    fn floor_cost(&self, model: ModelId, taken: f64) -> f64 {
-        match (self.free.get(model as usize), self.floor.get(model as usize)) {
-            (Some(&free), Some(&floor)) if floor > 0.0 && free - taken < floor => self.opts.floor,
-            _ => 0.0,
-        }
-    }
-
-    /// The scarcity and floor terms of `piece` on a node of several models, each model charged for
-    /// the units taken of its GPUs.
+    /// The scarcity term of `piece` on a node of several models, each model charged for the units
+    /// taken of its GPUs.
     fn model_costs(&self, node: &Node, piece: &Piece) -> f64 {
         // A share takes `taken` of its one GPU; whole GPUs take their capacity.
         let shared = matches!(self.memo.req, Some(r) if matches!(r.gpu, super::GpuDemand::Shared { .. }));
@@ -552,7 +502,6 @@ impl Gpumem {
             if let Some(p) = self.now.get(m as usize) {
                 cost += p * taken / self.unit;
             }
-            cost += self.floor_cost(m, taken);
         }
         cost
     }
@@ -576,7 +525,6 @@ impl Gpumem {
                 if let Some(p) = pressure {
                     score -= p * piece.taken / self.unit;
                 }
-                score -= self.floor_cost(node.model, piece.taken);
             }
             for (w, &word) in memo.broken[k * memo.words..(k + 1) * memo.words]
                 .iter()
@@ -1045,52 +993,6 @@ mod tests {
     }
 
     #[test]
-    fn the_floor_keeps_the_room_restricted_pods_still_need() {
-        let (c, only_t4, m) = t4s_nearly_full();
-        let share = Request::shared(1000, 0, 4000);
-        let no_floor = Tuning {
-            floor: 0.0,
-            ..Tuning::default()
-        };
-        let w = winner(&mut Gpumem::with_tuning(&m, &c, no_floor), &c, &share);
-        assert_eq!(w.node, 0, "without the floor the share closes the T4's gap");
-        let w = winner(&mut Gpumem::new(&m, &c), &c, &share);
-        assert_eq!(
-            w.node, 1,
-            "the T4's last 4000 MiB are below what its restricted pods will need"
-        );
-        // The restricted pod itself still gets the T4: its only candidate pays the same floor.
-        let w = winner(&mut Gpumem::new(&m, &c), &c, &share.with_models(only_t4));
-        assert_eq!(w.node, 0);
-        // Soft: with the A100s full, the unrestricted share takes the T4 after all.
-        let mut full = c.clone();
-        for g in &mut full.nodes[1].gpus {
-            g.free = 0;
-        }
-        assert_eq!(winner(&mut Gpumem::new(&m, &full), &full, &share).node, 0);
-    }
-
-    #[test]
-    fn the_floor_keeps_no_more_than_the_models_part_of_the_free_room() {
-        // All the demand needs the T4: keeping twice its share free would keep every T4 from every
-        // other pod. The floor is the T4's part of the free room at most, so a T4 filling no faster
-        // than the cluster is taken freely.
-        let (mut c, _, mut m) = t4s_nearly_full();
-        m.all[1].popularity = 0.9;
-        m.all[0].popularity = 0.1;
-        c.nodes[0].gpus[0].free = 15_360;
-        c.nodes[0].gpus[1].free = 15_360;
-        c.nodes[1].gpus[0].free = 0;
-        let mut p = Gpumem::new(&m, &c);
-        let mut out = Vec::new();
-        p.score(&c, &Request::shared(1000, 0, 4000), &mut rng(), &mut out);
-        let part = 61_440.0 / (61_440.0 + 163_840.0);
-        let free = 2.0 * 15_360.0 + 81_920.0;
-        assert!((p.floor[0] - part * free).abs() < 1e-6, "{:?}", p.floor);
-        assert_eq!(p.floor[1], 0.0, "no pod needs the A100");
-    }
-
-    #[test]
     fn a_node_of_two_models_charges_each_gpu_as_its_model() {
         // "mixed": an A100 (position 0) and a T4 (position 1, 4000 MiB free); the T4 node is full.
         let (mut c, _, m) = t4s_nearly_full();
@@ -1102,18 +1004,23 @@ mod tests {
         assert_eq!(cap, vec![4.0 * 15_360.0 + 15_360.0, 81_920.0]);
         assert_eq!(units_by_model(&c, true), vec![4000.0, 81_920.0]);
         let share = Request::shared(1000, 0, 4000);
-        let no_floor = Tuning {
-            floor: 0.0,
+        let no_scarcity = Tuning {
             scarcity: 0.0,
             ..Tuning::default()
         };
-        let w = winner(&mut Gpumem::with_tuning(&m, &c, no_floor), &c, &share);
+        let w = winner(&mut Gpumem::with_tuning(&m, &c, no_scarcity), &c, &share);
         assert_eq!(
             (w.node, w.gpus),
             (1, GpuMask::single(1)),
             "FGD closes the T4's gap"
         );
-        let w = winner(&mut Gpumem::new(&m, &c), &c, &share);
+        // A weight at which the T4's charge outweighs FGD: were the node charged as its first GPU's
+        // model (the A100, no pressure), the T4 would still win.
+        let dear = Tuning {
+            scarcity: 1000.0,
+            ..Tuning::default()
+        };
+        let w = winner(&mut Gpumem::with_tuning(&m, &c, dear), &c, &share);
         assert_eq!(
             (w.node, w.gpus),
             (1, GpuMask::single(0)),

@@ -5,6 +5,7 @@
 pub mod bench;
 pub mod replay;
 pub mod report;
+pub mod restrict;
 pub mod trace;
 pub mod variants;
 
@@ -24,6 +25,8 @@ use variants::uses_mix;
 const DEFAULT_NODES: &str = "../shared/traces/openb/openb_node_list_gpu_node.csv";
 const DEFAULT_PODS: &str = "../shared/traces/openb/openb_pod_list_default.csv";
 const PUBLISHED_FILE: &str = "fgd_published_unallocated.csv";
+/// The trace whose `gpu_spec` sets `--restrict` draws from, by default (next to `--pods`).
+const RESTRICT_SOURCE: &str = "openb_pod_list_gpuspec20.csv";
 /// `--mix-window`'s default, in pods.
 pub const DEFAULT_MIX_WINDOW: f64 = 5000.0;
 
@@ -65,6 +68,14 @@ pub struct SimulateArgs {
     /// variation distance, 0..1) from the one it was built from.
     #[arg(long, default_value_t = MixConfig::default().tolerance)]
     pub mix_tolerance: f64,
+    /// Replay a GPU-model-restricted variant of the trace: this fraction (0..1) of the GPU pods ask
+    /// for a GPU model, the sets drawn from `--restrict-from` (`sim::restrict`).
+    #[arg(long)]
+    pub restrict: Option<f64>,
+    /// The trace whose `gpu_spec` sets `--restrict` draws from (default: openb's gpuspec20 trace
+    /// next to `--pods`).
+    #[arg(long)]
+    pub restrict_from: Option<PathBuf>,
     /// Directory for summary.csv, curves.csv, runs.csv and unallocated.svg.
     #[arg(long, default_value = "simulate-out")]
     pub out: PathBuf,
@@ -286,7 +297,15 @@ pub fn run(args: &SimulateArgs) -> Result<()> {
         })
     };
     let variants = variants(&policies, view);
-    let trace = Trace::load(&args.nodes, &args.pods)?;
+    let mut trace = Trace::load(&args.nodes, &args.pods)?;
+    if let Some(fraction) = args.restrict {
+        let from = args
+            .restrict_from
+            .clone()
+            .unwrap_or_else(|| args.pods.parent().unwrap_or(Path::new(".")).join(RESTRICT_SOURCE));
+        let sets = restrict::source_sets(&from, &trace.cluster)?;
+        trace = restrict::restrict(&trace, fraction, &sets, args.seed_base)?;
+    }
     let mix = TypicalMix::from_requests(&trace.pods, args.typical);
     tracing::info!(
         types = mix.types.len(),
@@ -368,9 +387,10 @@ pub fn run(args: &SimulateArgs) -> Result<()> {
     report::write_summary(&args.out.join("summary.csv"), &trace.name, &all, &published)?;
     report::write_curves(&args.out.join("curves.csv"), &trace.name, &all, max_pct)?;
     report::write_runs(&args.out.join("runs.csv"), &trace.name, &all)?;
+    report::write_classes(&args.out.join("classes.csv"), &trace.name, &all)?;
     report::write_chart(&args.out.join("unallocated.svg"), &trace.name, &all, max_pct)?;
     println!(
-        "wrote {}/{{summary.csv,curves.csv,runs.csv,unallocated.svg}}",
+        "wrote {}/{{summary.csv,curves.csv,runs.csv,classes.csv,unallocated.svg}}",
         args.out.display()
     );
     Ok(())

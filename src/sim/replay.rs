@@ -56,6 +56,86 @@ impl Curve {
     }
 }
 
+/// The kinds of GPU pod whose fate a user feels apart: how much GPU they ask, and whether they name
+/// their GPU model. A policy that starves one class to pack another shows in [`Classes`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PodClass {
+    Shared,
+    /// One whole GPU.
+    Whole,
+    /// Two or more whole GPUs.
+    Multi,
+}
+
+impl PodClass {
+    pub const ALL: [PodClass; 3] = [PodClass::Shared, PodClass::Whole, PodClass::Multi];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            PodClass::Shared => "shared",
+            PodClass::Whole => "whole",
+            PodClass::Multi => "multi",
+        }
+    }
+
+    /// The class of `req`; `None` for a pod without GPUs.
+    pub fn of(req: &Request) -> Option<PodClass> {
+        match req.gpu {
+            GpuDemand::None => None,
+            GpuDemand::Shared { .. } => Some(PodClass::Shared),
+            GpuDemand::Whole { count: 1 } => Some(PodClass::Whole),
+            GpuDemand::Whole { .. } => Some(PodClass::Multi),
+        }
+    }
+}
+
+/// Pods of one class that arrived, and how many of them were placed.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Placed {
+    pub arrived: u32,
+    pub placed: u32,
+}
+
+impl Placed {
+    /// Placed % of arrived (`None` when none arrived).
+    pub fn pct(self) -> Option<f64> {
+        (self.arrived > 0).then(|| f64::from(self.placed) / f64::from(self.arrived) * 100.0)
+    }
+}
+
+/// Per class ([`PodClass`]) and restriction (index 1: pods that name their GPU model), what arrived
+/// and what was placed: the seed's "scheduling success rate", class by class.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Classes(pub [[Placed; 2]; 3]);
+
+impl Classes {
+    fn count(&mut self, req: &Request, placed: bool) {
+        if let Some(c) = PodClass::of(req) {
+            let cell = &mut self.0[c as usize][usize::from(req.models.is_some())];
+            cell.arrived += 1;
+            cell.placed += u32::from(placed);
+        }
+    }
+
+    pub fn get(&self, class: PodClass, restricted: bool) -> Placed {
+        self.0[class as usize][usize::from(restricted)]
+    }
+
+    /// All classes of one restriction (`None`: every GPU pod).
+    pub fn total(&self, restricted: Option<bool>) -> Placed {
+        let mut t = Placed::default();
+        for c in &self.0 {
+            for (r, p) in c.iter().enumerate() {
+                if restricted.is_none_or(|x| x == (r == 1)) {
+                    t.arrived += p.arrived;
+                    t.placed += p.placed;
+                }
+            }
+        }
+        t
+    }
+}
+
 /// The outcome of one replay.
 #[derive(Debug, Clone)]
 pub struct RunResult {
@@ -64,6 +144,9 @@ pub struct RunResult {
     pub curve: Curve,
     pub pods: usize,
     pub failed: usize,
+    /// Per class, what was placed of what arrived until 100% of capacity had arrived, and until the end.
+    pub classes_at_100: Classes,
+    pub classes: Classes,
     /// Final arrived workload, % of GPU capacity.
     pub arrived_pct: f64,
     /// Final allocated GPU units and capacity.
@@ -229,9 +312,13 @@ pub fn replay_sequence(
     let (mut arrived, mut allocated, mut failed) = (0u64, 0u64, 0usize);
     let mut scratch: Vec<Candidate> = Vec::with_capacity(cluster.nodes.len());
     let mut since = 0u64;
+    let (mut classes, mut classes_at_100) = (Classes::default(), Classes::default());
     for req in pods {
         let units = trace.units(req);
         arrived += units;
+        if arrived > capacity && classes_at_100 == Classes::default() {
+            classes_at_100 = classes;
+        }
         if let Some(o) = online.as_mut() {
             // The pods before this one, as a policy could know them when this one arrives.
             if o.refresh() {
@@ -241,7 +328,9 @@ pub fn replay_sequence(
                 builds += 1;
             }
         }
-        match alloc::place(pol.as_mut(), &mut cluster, req, tie, &mut rng, &mut scratch)? {
+        let chosen = alloc::place(pol.as_mut(), &mut cluster, req, tie, &mut rng, &mut scratch)?;
+        classes.count(req, chosen.is_some());
+        match chosen {
             Some(c) => {
                 let n = &cluster.nodes[c.node as usize];
                 allocated += match req.gpu {
@@ -273,6 +362,9 @@ pub fn replay_sequence(
         }
     }
     progress(since);
+    if classes_at_100 == Classes::default() {
+        classes_at_100 = classes;
+    }
     tracing::debug!(policy = name, seed, failed, pods = pods.len(), "replay done");
     Ok(RunResult {
         policy: name,
@@ -280,6 +372,8 @@ pub fn replay_sequence(
         curve,
         pods: pods.len(),
         failed,
+        classes_at_100,
+        classes,
         arrived_pct: arrived as f64 / cap * 100.0,
         allocated,
         capacity,

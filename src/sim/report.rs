@@ -6,7 +6,7 @@ use std::path::Path;
 
 use anyhow::{Context, Result};
 
-use super::replay::RunResult;
+use super::replay::{Classes, Placed, PodClass, RunResult};
 use crate::alloc::canonical_policy_name;
 
 /// Arrived-workload points of the table (% of GPU capacity).
@@ -71,6 +71,17 @@ impl PolicyRuns {
                 Metric::Frag => f,
                 Metric::FragRate => fr,
             })
+            .collect();
+        Stat::of(&vals)
+    }
+
+    /// Mean ± sd over seeds of the placed % of the pods `pick` selects from each run's classes
+    /// (`at_end`: the whole run; otherwise up to 100% arrived). `None` when no run had such pods.
+    pub fn placed(&self, at_end: bool, pick: impl Fn(&Classes) -> Placed) -> Option<Stat> {
+        let vals: Vec<f64> = self
+            .runs
+            .iter()
+            .filter_map(|r| pick(if at_end { &r.classes } else { &r.classes_at_100 }).pct())
             .collect();
         Stat::of(&vals)
     }
@@ -158,11 +169,94 @@ pub fn table(trace: &str, all: &[PolicyRuns], published: &Published) -> String {
             let _ = writeln!(s);
         }
     }
+    for (at_end, when) in [(false, "until 100% arrived"), (true, "until the end")] {
+        let _ = writeln!(
+            s,
+            "\nGPU pods placed, % of those arrived {when} (mean ± sd; restricted: pods that name a GPU model):"
+        );
+        let _ = write!(s, "{:<w$}", "policy");
+        let columns = class_columns();
+        for (name, _) in &columns {
+            let _ = write!(s, "{name:>15}");
+        }
+        let _ = writeln!(s);
+        for p in all {
+            let _ = write!(s, "{:<w$}", p.policy);
+            for (_, pick) in &columns {
+                let _ = write!(s, "{:>15}", cell(p.placed(at_end, pick)));
+            }
+            let _ = writeln!(s);
+        }
+    }
     let _ = writeln!(s, "\nFailed pods (mean ± sd):");
     for p in all {
         let _ = writeln!(s, "  {:<w$}{}", p.policy, cell(p.failed()));
     }
     s
+}
+
+/// A placed-share column of the table: its name and the pods it counts.
+type ClassColumn = (&'static str, Box<dyn Fn(&Classes) -> Placed>);
+
+/// The table's placed-share columns: all GPU pods, by restriction, then by class.
+fn class_columns() -> Vec<ClassColumn> {
+    let mut out: Vec<ClassColumn> = vec![
+        ("all", Box::new(|c: &Classes| c.total(None))),
+        ("unrestricted", Box::new(|c: &Classes| c.total(Some(false)))),
+        ("restricted", Box::new(|c: &Classes| c.total(Some(true)))),
+    ];
+    for class in PodClass::ALL {
+        out.push((
+            class.name(),
+            Box::new(move |c: &Classes| {
+                let (a, b) = (c.get(class, false), c.get(class, true));
+                Placed {
+                    arrived: a.arrived + b.arrived,
+                    placed: a.placed + b.placed,
+                }
+            }),
+        ));
+    }
+    out
+}
+
+/// `classes.csv`: per run, point (`100`: up to 100% arrived, `end`), class and restriction, the GPU pods
+/// that arrived and those placed.
+pub fn write_classes(path: &Path, trace: &str, all: &[PolicyRuns]) -> Result<()> {
+    let mut w = csv::Writer::from_path(path).with_context(|| format!("cannot write {}", path.display()))?;
+    w.write_record([
+        "trace",
+        "policy",
+        "seed",
+        "point",
+        "class",
+        "restricted",
+        "arrived",
+        "placed",
+    ])?;
+    for p in all {
+        for r in &p.runs {
+            for (point, classes) in [("100", &r.classes_at_100), ("end", &r.classes)] {
+                for class in PodClass::ALL {
+                    for restricted in [false, true] {
+                        let c = classes.get(class, restricted);
+                        w.write_record([
+                            trace.to_string(),
+                            p.policy.to_string(),
+                            r.seed.to_string(),
+                            point.to_string(),
+                            class.name().to_string(),
+                            restricted.to_string(),
+                            c.arrived.to_string(),
+                            c.placed.to_string(),
+                        ])?;
+                    }
+                }
+            }
+        }
+    }
+    w.flush()?;
+    Ok(())
 }
 
 /// `summary.csv`: one row per policy and table point.
