@@ -13,7 +13,7 @@ mod scorer_support;
 
 use std::sync::Arc;
 
-use gpumem::alloc::{self, Candidate, Cluster, Gpu, GpuDemand, ModelTable, OnlineMix, Request};
+use gpumem::alloc::{self, Candidate, Cluster, Gpu, ModelTable, OnlineMix, Request};
 use gpumem::scorer::Scorer;
 use gpumem::scorer::config::ScorerConfig;
 use gpumem::scorer::extender::MAX_EXTENDER_PRIORITY;
@@ -149,12 +149,7 @@ async fn the_scorer_ranks_and_chooses_gpus_as_the_simulators_policy_does() {
         if moved_at.is_none() && online.generation() > 0 {
             moved_at = Some(k);
         }
-        let req = Request {
-            cpu_milli: 1000,
-            memory_mib: 1024,
-            gpu: GpuDemand::Shared { amount: *mib as u32 },
-            models: None,
-        };
+        let req = Request::shared(1000, 1024, *mib as u32);
         let mut policy = alloc::build_policy("gpumem", &sim, online.mix()).expect("gpumem");
         let all: Vec<u32> = (0..sim.nodes.len() as u32).collect();
         let mut candidates: Vec<Candidate> = Vec::new();

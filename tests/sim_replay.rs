@@ -165,6 +165,9 @@ fn simulate_writes_table_csvs_and_chart() {
         oracle_mix: false,
         mix_window: 5000.0,
         mix_tolerance: 0.02,
+        mix: gpumem::sim::realistic::Mix::Trace,
+        fleet_nodes: 1000,
+        profiles: gpumem::sim::realistic::DEFAULT_PROFILES.into(),
         restrict: None,
         restrict_from: None,
         out: out.clone(),
@@ -185,6 +188,29 @@ fn simulate_writes_table_csvs_and_chart() {
     let runs = std::fs::read_to_string(out.join("runs.csv")).expect("runs");
     assert_eq!(runs.lines().count(), 1 + 5 * 2, "5 rows x 2 seeds: {runs}");
     assert!(runs.contains("synthetic,gpumem/oracle,43,"));
+    let bound = std::fs::read_to_string(out.join("bound.csv")).expect("bound");
+    let values: Vec<f64> = bound
+        .lines()
+        .skip(1)
+        .map(|l| {
+            l.rsplit(',')
+                .next()
+                .and_then(|v| v.parse().ok())
+                .expect("a number")
+        })
+        .collect();
+    assert_eq!(values.len(), 2, "one bound per seed: {bound}");
+    let gpumem_at_100: Vec<f64> = runs
+        .lines()
+        .filter(|l| l.contains(",gpumem,"))
+        .map(|l| l.split(',').nth(3).and_then(|v| v.parse().ok()).unwrap_or(100.0))
+        .collect();
+    for (b, g) in values.iter().zip(&gpumem_at_100) {
+        assert!(
+            (0.0..=*g + 1e-9).contains(b),
+            "the bound {b} is above what gpumem reached, {g}"
+        );
+    }
     let classes = std::fs::read_to_string(out.join("classes.csv")).expect("classes");
     // Per run: 2 points x 3 classes x restricted or not.
     assert_eq!(classes.lines().count(), 1 + 5 * 2 * 2 * 3 * 2, "{classes}");

@@ -18,7 +18,7 @@ use kube::api::{ListParams, Patch, PatchParams, PostParams};
 use kube::{Api, Client};
 use serde_json::json;
 
-use crate::mix::{self, NodeShape, Shape};
+use crate::mix::{self, NodeShape, Select as _, Shape};
 use crate::played::NodeModel;
 use crate::trace::Size;
 

@@ -13,13 +13,12 @@ use clap::{Args, ValueEnum};
 use futures_util::StreamExt as _;
 use gpumem::gpu::GpuInventory;
 use gpumem::node::ASSIGNED_GPUS_ANNOTATION;
+use gpumem::sim::realistic::{apportion, node_profiles, parse_profiles};
 use k8s_openapi::api::core::v1::{Node, Pod};
 use k8s_openapi::api::resource::v1::ResourceClaim;
 use kube::api::{DeleteParams, ListParams, PostParams};
 use kube::runtime::watcher;
 use kube::{Api, Client};
-use rand::SeedableRng;
-use rand::seq::SliceRandom;
 use serde::Serialize;
 
 use crate::k8s::{self, Allocator, PHASE_LABEL, RUN_LABEL};
@@ -71,7 +70,7 @@ pub struct RunArgs {
     #[arg(long, default_value_t = 1000)]
     pub nodes: usize,
     /// Node profiles and their share in percent.
-    #[arg(long, default_value = "t4x4=40,mixed=20,dgx-a100=20,hgx-h100=20")]
+    #[arg(long, default_value = gpumem::sim::realistic::DEFAULT_PROFILES)]
     pub profiles: String,
     /// The openb pod list whose GPU pods' sizes are sampled.
     #[arg(long, default_value = "../shared/traces/openb/openb_pod_list_default.csv")]
@@ -122,46 +121,6 @@ pub struct RunArgs {
     pub namespace: String,
     #[command(flatten)]
     pub faults: FaultArgs,
-}
-
-/// The profile mix: (profile, percent).
-pub fn parse_profiles(text: &str) -> anyhow::Result<Vec<(String, f64)>> {
-    let mut out = Vec::new();
-    for part in text.split(',').filter(|p| !p.trim().is_empty()) {
-        let (name, pct) = part
-            .split_once('=')
-            .with_context(|| format!("profile mix {part:?}: expected NAME=PERCENT"))?;
-        let pct: f64 = pct
-            .trim()
-            .parse()
-            .with_context(|| format!("profile mix {part:?}: {pct:?} is not a number"))?;
-        if pct < 0.0 {
-            bail!("profile mix {part:?}: negative share");
-        }
-        out.push((name.trim().to_string(), pct));
-    }
-    if out.iter().map(|p| p.1).sum::<f64>() <= 0.0 {
-        bail!("profile mix {text:?}: no node");
-    }
-    Ok(out)
-}
-
-/// How many of `total` nodes each profile gets (largest remainder, so they add up to `total`).
-pub fn apportion(mix: &[(String, f64)], total: usize) -> Vec<usize> {
-    let sum: f64 = mix.iter().map(|p| p.1).sum();
-    let exact: Vec<f64> = mix.iter().map(|p| p.1 / sum * total as f64).collect();
-    let mut counts: Vec<usize> = exact.iter().map(|x| x.floor() as usize).collect();
-    let mut order: Vec<usize> = (0..mix.len()).collect();
-    order.sort_by(|&a, &b| (exact[b] - exact[b].floor()).total_cmp(&(exact[a] - exact[a].floor())));
-    let mut left = total - counts.iter().sum::<usize>();
-    for i in order.into_iter().cycle().take(mix.len() * 2) {
-        if left == 0 {
-            break;
-        }
-        counts[i] += 1;
-        left -= 1;
-    }
-    counts
 }
 
 /// One pod's record.
@@ -973,13 +932,8 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         let inventory = GpuInventory::discover(&profile).with_context(|| format!("profile {name}"))?;
         models.push(Arc::new(NodeModel::new(name, inventory)));
     }
-    // Profiles spread over the node names in a seeded order.
-    let mut assignment: Vec<usize> = counts
-        .iter()
-        .enumerate()
-        .flat_map(|(i, &n)| std::iter::repeat_n(i, n))
-        .collect();
-    assignment.shuffle(&mut rand_pcg::Pcg64Mcg::seed_from_u64(args.seed));
+    // Profiles spread over the node names in a seeded order (as `simulate --mix realistic` does).
+    let assignment = node_profiles(&mix, args.nodes, args.seed);
     let names: Vec<String> = (1..=args.nodes).map(k8s::node_name).collect();
     let shapes = mix::node_shapes(args.mix, args.nodes, args.seed);
     if args.mix == Mix::Realistic {
@@ -1725,17 +1679,5 @@ mod tests {
         for absent in ["shapes", "placed_by_gpumem"] {
             assert!(json["phases"][0].get(absent).is_none(), "{absent}");
         }
-    }
-
-    #[test]
-    fn profile_mix_adds_up() {
-        let mix = parse_profiles("t4x4=40,mixed=20,dgx-a100=20,hgx-h100=20").unwrap();
-        assert_eq!(apportion(&mix, 1000), vec![400, 200, 200, 200]);
-        let odd = apportion(&mix, 7);
-        assert_eq!(odd.iter().sum::<usize>(), 7);
-        assert_eq!(odd[0], 3);
-        assert!(parse_profiles("t4x4").is_err());
-        assert!(parse_profiles("t4x4=x").is_err());
-        assert!(parse_profiles("t4x4=0").is_err());
     }
 }

@@ -72,12 +72,12 @@ impl Policy for Random {
             }
             let gpus = match req.gpu {
                 GpuDemand::None => GpuMask::EMPTY,
-                GpuDemand::Whole { count } => n.first_idle(count).unwrap_or_default(),
+                GpuDemand::Whole { .. } => n.first_idle(req).unwrap_or_default(),
                 GpuDemand::Shared { amount } => {
                     let mut pick = 0;
                     let mut seen = 0u32;
-                    for (g, gpu) in n.gpus.iter().enumerate() {
-                        if gpu.free >= amount {
+                    for g in n.allowed(req).iter() {
+                        if n.gpus[g].free >= amount {
                             seen += 1;
                             if rng.random_range(0..seen) == 0 {
                                 pick = g;
@@ -186,7 +186,7 @@ fn packing_score(n: &Node, req: &Request) -> i64 {
         return (33 - idle).max(idle);
     }
     // Walk GPUs from the fullest, as the artifact does, taking those that fit.
-    let mut order: Vec<usize> = (0..n.gpus.len()).collect();
+    let mut order: Vec<usize> = n.allowed(req).iter().collect();
     order.sort_by_key(|&g| n.gpus[g].free);
     let mut need = req.gpu.gpus_needed();
     let mut idle_used = 0i64;

@@ -74,7 +74,8 @@ impl Evaluator {
             GpuDemand::Shared { amount } => {
                 let mut seen = [0u32; 8];
                 let mut n_seen = 0usize;
-                for (g, gpu) in n.gpus.iter().enumerate() {
+                for g in n.allowed(req).iter() {
+                    let gpu = n.gpus[g];
                     if gpu.free < amount {
                         continue;
                     }
@@ -88,7 +89,7 @@ impl Evaluator {
                     self.masks.push(GpuMask::single(g));
                 }
             }
-            GpuDemand::Whole { count } => self.masks.extend(n.first_idle(count)),
+            GpuDemand::Whole { .. } => self.masks.extend(n.first_idle(req)),
             GpuDemand::None => self.masks.push(GpuMask::EMPTY),
         }
         let (nf, sm, f0) = self.cache.node(i);

@@ -78,11 +78,11 @@ pub fn first_fit(node: &Node, req: &Request) -> Option<GpuMask> {
     match req.gpu {
         GpuDemand::None => Some(GpuMask::EMPTY),
         GpuDemand::Shared { amount } => node
-            .gpus
+            .allowed(req)
             .iter()
-            .position(|g| g.free >= amount)
+            .find(|&g| node.gpus[g].free >= amount)
             .map(GpuMask::single),
-        GpuDemand::Whole { count } => node.first_idle(count),
+        GpuDemand::Whole { .. } => node.first_idle(req),
     }
 }
 

@@ -106,6 +106,24 @@ impl ModelSet {
     }
 }
 
+/// A set of node pools (bit i = pool i): where a pod may run as taints, tolerations and node selectors
+/// decide it. kube-scheduler applies them before the scorer sees a node, so the scorer's requests name
+/// no pool; the simulator's realistic mix gives its nodes pools and its pods the pools they may use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct PoolSet(pub u64);
+
+impl PoolSet {
+    pub const NONE: PoolSet = PoolSet(0);
+
+    pub fn with(self, pool: u8) -> PoolSet {
+        PoolSet(self.0 | (1u64 << pool))
+    }
+
+    pub fn contains(self, pool: u8) -> bool {
+        self.0 & (1u64 << pool) != 0
+    }
+}
+
 /// A set of GPUs on one node (bit i = GPU index i).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub struct GpuMask(pub u64);
@@ -225,6 +243,8 @@ pub struct Request {
     pub gpu: GpuDemand,
     /// Allowed GPU models; `None` = any.
     pub models: Option<ModelSet>,
+    /// Node pools the pod may run in; `None` = any.
+    pub pools: Option<PoolSet>,
 }
 
 impl Request {
@@ -234,6 +254,7 @@ impl Request {
             memory_mib,
             gpu: GpuDemand::None,
             models: None,
+            pools: None,
         }
     }
 
@@ -243,6 +264,7 @@ impl Request {
             memory_mib,
             gpu: GpuDemand::Shared { amount },
             models: None,
+            pools: None,
         }
     }
 
@@ -252,11 +274,17 @@ impl Request {
             memory_mib,
             gpu: GpuDemand::Whole { count },
             models: None,
+            pools: None,
         }
     }
 
     pub fn with_models(mut self, models: ModelSet) -> Request {
         self.models = Some(models);
+        self
+    }
+
+    pub fn with_pools(mut self, pools: PoolSet) -> Request {
+        self.pools = Some(pools);
         self
     }
 
@@ -285,6 +313,8 @@ pub struct Node {
     pub gpus: Vec<Gpu>,
     /// How many running GPU pods of each workload tag ([`Request::workload_tag`]) the node hosts.
     pub tags: Vec<(u32, u32)>,
+    /// The node's pool ([`PoolSet`]); 0 where pools are not modelled.
+    pub pool: u8,
 }
 
 impl Node {
@@ -299,6 +329,7 @@ impl Node {
             memory_free: memory,
             gpus,
             tags: Vec::new(),
+            pool: 0,
         }
     }
 
@@ -320,15 +351,43 @@ impl Node {
         self.gpus.iter().filter(|g| g.is_idle()).count()
     }
 
-    /// Model, CPU and memory allow the request (GPUs not checked).
+    /// The GPUs whose model `req` allows (every GPU of an unrestricted request).
+    #[inline]
+    pub fn allowed(&self, req: &Request) -> GpuMask {
+        let all = GpuMask(if self.gpus.len() >= 64 {
+            u64::MAX
+        } else {
+            (1u64 << self.gpus.len()) - 1
+        });
+        match req.models {
+            None => all,
+            Some(m) if self.gpu_models.is_empty() => {
+                if m.contains(self.model) {
+                    all
+                } else {
+                    GpuMask::EMPTY
+                }
+            }
+            Some(m) => GpuMask(
+                (0..self.gpus.len())
+                    .filter(|&g| m.contains(self.gpu_model(g)))
+                    .fold(0u64, |acc, g| acc | (1u64 << g)),
+            ),
+        }
+    }
+
+    /// Pool, model, CPU and memory allow the request (free GPUs not checked).
     #[inline]
     pub fn admits(&self, req: &Request) -> bool {
-        if self.cpu_free < req.cpu_milli || self.memory_free < req.memory_mib {
+        if self.cpu_free < req.cpu_milli
+            || self.memory_free < req.memory_mib
+            || req.pools.is_some_and(|p| !p.contains(self.pool))
+        {
             return false;
         }
         match req.gpu {
             GpuDemand::None => true,
-            _ => !self.gpus.is_empty() && req.models.is_none_or(|m| m.contains(self.model)),
+            _ => !self.allowed(req).is_empty(),
         }
     }
 
@@ -337,25 +396,26 @@ impl Node {
         if !self.admits(req) {
             return false;
         }
-        let need = req.gpu.gpus_needed() as usize;
+        let need = req.gpu.gpus_needed();
+        let allowed = self.allowed(req);
         need == 0
-            || self
-                .gpus
+            || allowed
                 .iter()
-                .filter(|g| req.gpu.fits_gpu(g.capacity, g.free))
+                .filter(|&g| req.gpu.fits_gpu(self.gpus[g].capacity, self.gpus[g].free))
                 .count()
-                >= need
+                >= need as usize
     }
 
-    /// The first `count` idle GPUs by index, if there are that many.
-    pub fn first_idle(&self, count: u32) -> Option<GpuMask> {
+    /// The first idle GPUs by index, as many as `req` asks for whole, of the models it allows; `None`
+    /// when there are not that many.
+    pub fn first_idle(&self, req: &Request) -> Option<GpuMask> {
         let mut mask = GpuMask::EMPTY;
-        let mut left = count;
-        for (i, g) in self.gpus.iter().enumerate() {
+        let mut left = req.gpu.gpus_needed();
+        for i in self.allowed(req).iter() {
             if left == 0 {
                 break;
             }
-            if g.is_idle() {
+            if self.gpus[i].is_idle() {
                 mask = mask.with(i);
                 left -= 1;
             }
@@ -363,10 +423,12 @@ impl Node {
         (left == 0).then_some(mask)
     }
 
-    /// For a shared request: the fitting GPU with the least free units (lowest index on ties).
-    pub fn best_fit_gpu(&self, amount: u32) -> Option<usize> {
+    /// For a shared request: the fitting GPU of an allowed model with the least free units (lowest
+    /// index on ties).
+    pub fn best_fit_gpu(&self, req: &Request, amount: u32) -> Option<usize> {
         let mut best: Option<usize> = None;
-        for (i, g) in self.gpus.iter().enumerate() {
+        for i in self.allowed(req).iter() {
+            let g = self.gpus[i];
             if g.free >= amount && best.is_none_or(|b| g.free < self.gpus[b].free) {
                 best = Some(i);
             }
@@ -379,8 +441,8 @@ impl Node {
     pub fn best_fit_choice(&self, req: &Request) -> Option<GpuMask> {
         match req.gpu {
             GpuDemand::None => Some(GpuMask::EMPTY),
-            GpuDemand::Shared { amount } => self.best_fit_gpu(amount).map(GpuMask::single),
-            GpuDemand::Whole { count } => self.first_idle(count),
+            GpuDemand::Shared { amount } => self.best_fit_gpu(req, amount).map(GpuMask::single),
+            GpuDemand::Whole { .. } => self.first_idle(req),
         }
     }
 
@@ -453,7 +515,7 @@ impl Cluster {
             })
         };
         if !n.admits(req) {
-            return refuse(format!("model, cpu or memory do not admit {req:?}"));
+            return refuse(format!("pool, model, cpu or memory do not admit {req:?}"));
         }
         if gpus.iter().any(|i| i >= n.gpus.len()) {
             return refuse(format!("GPU set {gpus} out of range ({} GPUs)", n.gpus.len()));
@@ -466,6 +528,9 @@ impl Cluster {
             .find(|&i| !req.gpu.fits_gpu(n.gpus[i].capacity, n.gpus[i].free))
         {
             return refuse(format!("GPU {i} cannot serve {:?}", req.gpu));
+        }
+        if let Some(i) = gpus.iter().find(|&i| !n.allowed(req).contains(i)) {
+            return refuse(format!("GPU {i} is of a model {req:?} does not allow"));
         }
         Ok(())
     }
@@ -833,9 +898,46 @@ mod tests {
         let g2 = c.models.intern("G2").expect("intern");
         assert!(c.nodes[0].fits(&Request::whole(0, 0, 2)));
         assert!(!c.nodes[0].fits(&Request::whole(0, 0, 3)));
-        assert_eq!(c.nodes[0].first_idle(2), Some(GpuMask(0b101)));
+        assert_eq!(
+            c.nodes[0].first_idle(&Request::whole(0, 0, 2)),
+            Some(GpuMask(0b101))
+        );
         let only_g2 = Request::whole(0, 0, 1).with_models(ModelSet::NONE.with(g2));
         assert!(!c.nodes[0].fits(&only_g2));
+    }
+
+    #[test]
+    fn on_a_node_of_two_models_a_restricted_pod_gets_only_its_models_gpus() {
+        // GPU 0 and 2 of model G (0), GPU 1 and 3 of T4; GPU 1 is the tightest.
+        let mut c = cluster(vec![node("mixed", 64_000, &[1000, 600, 1000, 1000])]);
+        let t4 = c.models.intern("T4").expect("intern");
+        c.nodes[0].gpu_models = vec![0, t4, 0, t4];
+        let only_t4 = ModelSet::NONE.with(t4);
+        let n = &c.nodes[0];
+        let share = Request::shared(0, 0, 700).with_models(only_t4);
+        assert_eq!(n.allowed(&share), GpuMask(0b1010));
+        assert!(n.fits(&share), "GPU 3, a T4, has room");
+        assert_eq!(n.best_fit_choice(&share), Some(GpuMask::single(3)));
+        let two = Request::whole(0, 0, 2).with_models(only_t4);
+        assert!(!n.fits(&two), "one idle T4 only");
+        assert_eq!(n.first_idle(&Request::whole(0, 0, 2)), Some(GpuMask(0b101)));
+        assert!(
+            c.check(0, &share, GpuMask::single(0)).is_err(),
+            "GPU 0 is not a T4"
+        );
+        assert!(c.check(0, &share, GpuMask::single(3)).is_ok());
+        let elsewhere = Request::shared(0, 0, 100).with_models(ModelSet::NONE.with(5));
+        assert!(!n.admits(&elsewhere));
+    }
+
+    #[test]
+    fn a_pod_runs_only_in_its_pools() {
+        let mut c = cluster(vec![node("a", 64_000, &[1000]), node("b", 64_000, &[1000])]);
+        c.nodes[1].pool = 3;
+        let req = Request::shared(0, 0, 100).with_pools(PoolSet::NONE.with(3));
+        assert!(!c.nodes[0].fits(&req) && c.nodes[1].fits(&req));
+        assert!(c.check(0, &req, GpuMask::single(0)).is_err());
+        assert!(c.nodes[0].fits(&Request::shared(0, 0, 100)), "no pools: anywhere");
     }
 
     #[test]

@@ -156,6 +156,7 @@ pub fn request(demand: Demand, need_mib: u64, cpu_milli: u64, memory_mib: u64) -
             Demand::Whole { count } => GpuDemand::Whole { count },
         },
         models: None,
+        pools: None,
     }
 }
 

@@ -3,6 +3,8 @@
 //! the FGD paper's protocol (see [`replay`]). `--bench` times single decisions instead.
 
 pub mod bench;
+pub mod bound;
+pub mod realistic;
 pub mod replay;
 pub mod report;
 pub mod restrict;
@@ -68,6 +70,17 @@ pub struct SimulateArgs {
     /// variation distance, 0..1) from the one it was built from.
     #[arg(long, default_value_t = MixConfig::default().tolerance)]
     pub mix_tolerance: f64,
+    /// The workload: `trace` replays `--nodes` and `--pods` as they are; `realistic` replays the mix of
+    /// `gpumem-scale --mix realistic` (`sim::realistic`): a fleet of `--profiles` with zones and
+    /// reserved nodes, and the GPU pods of `--pods` with its zone and model choices.
+    #[arg(long, value_enum, default_value_t = realistic::Mix::Trace)]
+    pub mix: realistic::Mix,
+    /// `--mix realistic`: how many nodes.
+    #[arg(long, default_value_t = 1000)]
+    pub fleet_nodes: usize,
+    /// `--mix realistic`: the node profiles and their share in percent.
+    #[arg(long, default_value = realistic::DEFAULT_PROFILES)]
+    pub profiles: String,
     /// Replay a GPU-model-restricted variant of the trace: this fraction (0..1) of the GPU pods ask
     /// for a GPU model, the sets drawn from `--restrict-from` (`sim::restrict`).
     #[arg(long)]
@@ -241,6 +254,28 @@ pub fn run_all(
     Ok(grouped)
 }
 
+/// Per seed, the bound on the unallocated GPU % at 100% arrived ([`bound::unallocated_bound`] of the
+/// seed's pods up to 100% of capacity).
+fn bound_per_seed(trace: &Trace, seeds: &[u64], inflate: f64) -> Result<Vec<(u64, f64)>> {
+    let capacity = trace.cluster.gpu_capacity_total();
+    seeds
+        .iter()
+        .map(|&seed| {
+            let mut arrived = 0u64;
+            let pods: Vec<_> = replay::workload(trace, seed, inflate)
+                .into_iter()
+                .take_while(|p| {
+                    arrived += trace.units(p);
+                    arrived <= capacity
+                })
+                .collect();
+            let b = bound::unallocated_bound(&trace.cluster, &pods)
+                .with_context(|| format!("the bound of seed {seed}"))?;
+            Ok((seed, b))
+        })
+        .collect()
+}
+
 fn find_published(args: &SimulateArgs) -> Option<PathBuf> {
     if let Some(p) = &args.published {
         return Some(p.clone());
@@ -297,7 +332,20 @@ pub fn run(args: &SimulateArgs) -> Result<()> {
         })
     };
     let variants = variants(&policies, view);
-    let mut trace = Trace::load(&args.nodes, &args.pods)?;
+    let mut trace = match args.mix {
+        realistic::Mix::Trace => Trace::load(&args.nodes, &args.pods)?,
+        realistic::Mix::Realistic => {
+            let t = realistic::trace(&args.pods, &args.profiles, args.fleet_nodes, args.seed_base)?;
+            tracing::info!(
+                trace = %t.name,
+                nodes = t.cluster.nodes.len(),
+                gpus = t.cluster.gpu_count(),
+                pods = t.pods.len(),
+                "realistic mix"
+            );
+            t
+        }
+    };
     if let Some(fraction) = args.restrict {
         let from = args
             .restrict_from
@@ -346,6 +394,14 @@ pub fn run(args: &SimulateArgs) -> Result<()> {
         None => Published::new(),
     };
     print!("{}", report::table(&trace.name, &all, &published));
+    let bounds = bound_per_seed(&trace, &seeds, args.inflate)?;
+    if let Some(b) = report::Stat::of(&bounds.iter().map(|b| b.1).collect::<Vec<_>>()) {
+        println!(
+            "\nBound: no placement of the pods arrived by 100% leaves less than {:.2} ± {:.2} % of the GPU \
+             capacity unallocated (LP relaxation with every pod known in advance, sim::bound)",
+            b.mean, b.sd
+        );
+    }
     let cpu_seconds: f64 = all.iter().flat_map(|p| p.runs.iter().map(|r| r.seconds)).sum();
     let mix_note = match view {
         MixView::Oracle => "the whole-trace typical mix (--oracle-mix)".to_string(),
@@ -388,9 +444,10 @@ pub fn run(args: &SimulateArgs) -> Result<()> {
     report::write_curves(&args.out.join("curves.csv"), &trace.name, &all, max_pct)?;
     report::write_runs(&args.out.join("runs.csv"), &trace.name, &all)?;
     report::write_classes(&args.out.join("classes.csv"), &trace.name, &all)?;
+    report::write_bounds(&args.out.join("bound.csv"), &trace.name, &bounds)?;
     report::write_chart(&args.out.join("unallocated.svg"), &trace.name, &all, max_pct)?;
     println!(
-        "wrote {}/{{summary.csv,curves.csv,runs.csv,classes.csv,unallocated.svg}}",
+        "wrote {}/{{summary.csv,curves.csv,runs.csv,classes.csv,bound.csv,unallocated.svg}}",
         args.out.display()
     );
     Ok(())

@@ -259,6 +259,18 @@ pub fn write_classes(path: &Path, trace: &str, all: &[PolicyRuns]) -> Result<()>
     Ok(())
 }
 
+/// `bound.csv`: per seed, the least unallocated GPU % any placement of the pods arrived by 100% can
+/// reach (`sim::bound`).
+pub fn write_bounds(path: &Path, trace: &str, bounds: &[(u64, f64)]) -> Result<()> {
+    let mut w = csv::Writer::from_path(path).with_context(|| format!("cannot write {}", path.display()))?;
+    w.write_record(["trace", "seed", "unallocated_gpu_pct_bound_at_100"])?;
+    for (seed, b) in bounds {
+        w.write_record([trace.to_string(), seed.to_string(), format!("{b:.4}")])?;
+    }
+    w.flush()?;
+    Ok(())
+}
+
 /// `summary.csv`: one row per policy and table point.
 pub fn write_summary(path: &Path, trace: &str, all: &[PolicyRuns], published: &Published) -> Result<()> {
     let mut w = csv::Writer::from_path(path).with_context(|| format!("cannot write {}", path.display()))?;

@@ -209,6 +209,7 @@ pub fn load_pods(path: &Path, models: &ModelTable) -> Result<Vec<Request>> {
             memory_mib,
             gpu,
             models: None,
+            pools: None,
         };
         if let Some(c) = spec_c {
             let spec = rec.get(c).map(str::trim).unwrap_or("");
