@@ -9,8 +9,11 @@
 //!    demand that must run on that model over its share of the cluster's capacity ([`pressure`]), scaled
 //!    by how fast the model fills relative to the cluster (free share of the cluster / free share of the
 //!    model). Without `gpu_spec` pods every pressure is 0 and the term vanishes. Each GPU counts as
-//!    its own model (a node may have GPUs of several models). It only reorders: every node that fits
-//!    stays a candidate.
+//!    its own model (a node may have GPUs of several models). Its **idle** part (`idle`): taking an
+//!    idle GPU of such a model costs `idle x pressure x (idle share of the cluster's GPUs / idle share
+//!    of the model's - 1)` while the model has fewer idle GPUs, for its size, than the cluster: whole
+//!    GPUs and fresh GPUs go elsewhere before the restricted pods' model runs out of room to open.
+//!    It only reorders: every node that fits stays a candidate.
 //! 3. **Reserve for multi-GPU work** (`rv`, `rx`): a placement that takes away a node's ability to host a
 //!    multi-GPU task type of the trace (idle GPUs, CPU, memory, model) pays
 //!    `reserve x popularity / (share of nodes able to host it)^rx`: a type only a few nodes can host
@@ -32,7 +35,7 @@ use super::fgd::Evaluator;
 use super::frag::{FragCache, FragModel, TypicalMix, TypicalType, frag_after};
 use super::{Candidate, Cluster, GpuMask, ModelSet, Node, Policy, Request, indices};
 
-/// The policy's knobs, for experiments. The defaults (`ft=0.001:rv=12:rx=2:sc=10:dyn=1`, FGD's sigmoid
+/// The policy's knobs, for experiments. The defaults (`ft=0.001:rv=12:rx=2:sc=10:dyn=1:idle=20`, FGD's sigmoid
 /// score) are the policy: what the scorer runs ([`Gpumem::new`]) and `gpumem simulate` measures as
 /// "gpumem"; only the simulator builds other tunings ([`Gpumem::with_tuning`]).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -67,6 +70,10 @@ pub struct Tuning {
     pub dynamic: bool,
     /// Exponent of the reserve term's scarcity (1 / share of able nodes).
     pub reserve_exp: f64,
+    /// Weight of the idle term: taking an idle GPU of a model that restricted task types depend on
+    /// costs `idle x pressure x (idle share of the cluster's GPUs / idle share of the model's - 1)`
+    /// points while the model has fewer idle GPUs, for its size, than the cluster (0: off).
+    pub idle: f64,
 }
 
 impl Default for Tuning {
@@ -86,6 +93,7 @@ impl Default for Tuning {
             scarcity: 10.0,
             dynamic: true,
             reserve_exp: 2.0,
+            idle: 20.0,
         }
     }
 }
@@ -284,6 +292,8 @@ pub struct Gpumem {
     pressure: Vec<f64>,
     /// Scratch: this decision's pressure per model.
     now: Vec<f64>,
+    /// Scratch: this decision's idle term per model, per idle GPU taken.
+    idle_cost: Vec<f64>,
     /// Capacity per model.
     model_cap: Vec<f64>,
     memo: Memo,
@@ -357,6 +367,7 @@ impl Gpumem {
         Gpumem {
             memo,
             now: pressure.clone(),
+            idle_cost: vec![0.0; pressure.len()],
             model_cap,
             pressure,
             reserve,
@@ -373,7 +384,13 @@ impl Gpumem {
     /// (free share of the model)`, so a scarce model that runs out first grows dearer.
     fn update_pressure(&mut self, cluster: &Cluster) {
         // Without restricted task types every pressure is 0 whatever is free: no need to scan.
-        if !self.opts.dynamic || self.pressure.iter().all(|&p| p == 0.0) {
+        if self.pressure.iter().all(|&p| p == 0.0) {
+            return;
+        }
+        if self.opts.idle > 0.0 {
+            self.update_idle(cluster);
+        }
+        if !self.opts.dynamic {
             return;
         }
         let free = units_by_model(cluster, true);
@@ -388,6 +405,38 @@ impl Gpumem {
                 base * (total_free / total_cap) / model_free_share
             };
         }
+    }
+
+    /// Sets each model's idle term ([`Tuning::idle`]) from the idle GPUs of the cluster.
+    fn update_idle(&mut self, cluster: &Cluster) {
+        let n = self.pressure.len();
+        let (mut idle, mut all) = (vec![0.0f64; n], vec![0.0f64; n]);
+        for node in &cluster.nodes {
+            for (g, gpu) in node.gpus.iter().enumerate() {
+                let m = node.gpu_model(g) as usize;
+                if m < n {
+                    all[m] += 1.0;
+                    idle[m] += f64::from(u8::from(gpu.is_idle()));
+                }
+            }
+        }
+        let cluster_idle = idle.iter().sum::<f64>() / all.iter().sum::<f64>().max(1.0);
+        for m in 0..n {
+            let model_idle = (idle[m] / all[m].max(1.0)).max(1e-3);
+            let short = (cluster_idle / model_idle - 1.0).max(0.0);
+            self.idle_cost[m] = self.opts.idle * self.pressure[m] / self.opts.scarcity * short;
+        }
+    }
+
+    /// The idle term of taking `gpus` of `node` ([`Tuning::idle`]).
+    fn idle_costs(&self, node: &Node, gpus: GpuMask) -> f64 {
+        if self.opts.idle <= 0.0 {
+            return 0.0;
+        }
+        gpus.iter()
+            .filter(|&g| node.gpus[g].is_idle())
+            .filter_map(|g| self.idle_cost.get(node.gpu_model(g) as usize))
+            .sum()
     }
 
     /// [`Policy::score_nodes`] for any iterator of node indices ([`Policy::score`]: all of them).
@@ -539,6 +588,7 @@ impl Gpumem {
             if self.second.is_some() {
                 score -= piece.fill;
             }
+            score -= self.idle_costs(node, piece.gpus);
             Candidate::keep_best(out, i as u32, score, piece.gpus);
         }
     }
@@ -990,6 +1040,49 @@ mod tests {
             typ(1000, GpuDemand::Shared { amount: 4000 }, Some(only_t4), 0.1),
         ];
         (c, only_t4, m)
+    }
+
+    #[test]
+    fn the_idle_term_charges_an_idle_gpu_of_a_model_short_of_idle_gpus() {
+        // Two idle T4s of four (half idle) against two idle A100s of two: the cluster is 4/6 idle,
+        // the T4 half, so an idle T4 costs idle x pressure x (4/6 / 1/2 - 1).
+        let (mut c, _, m) = t4s_nearly_full();
+        c.nodes[0].gpus[2].free = 15_360;
+        c.nodes[0].gpus[3].free = 15_360;
+        let whole = Request::whole(1000, 0, 1);
+        let score_on_t4 = |idle: f64| {
+            let mut p = Gpumem::with_tuning(
+                &m,
+                &c,
+                Tuning {
+                    idle,
+                    ..Tuning::default()
+                },
+            );
+            let mut out = Vec::new();
+            p.score_nodes(&c, &[0], &whole, &mut rng(), &mut out);
+            (out[0].score, p.pressure[0] / p.opts.scarcity)
+        };
+        let (without, _) = score_on_t4(0.0);
+        let (with, pressure) = score_on_t4(10.0);
+        assert!(pressure > 0.0);
+        let want = 10.0 * pressure * ((4.0 / 6.0) / 0.5 - 1.0);
+        assert!(
+            (without - with - want).abs() < 1e-9,
+            "{without} - {with} != {want}"
+        );
+        // A share on the T4 that is already in use takes no idle GPU: no charge.
+        let share = Request::shared(1000, 0, 4000);
+        let mut out = Vec::new();
+        let dear = Tuning {
+            idle: 10.0,
+            ..Tuning::default()
+        };
+        Gpumem::with_tuning(&m, &c, dear).score_nodes(&c, &[0], &share, &mut rng(), &mut out);
+        let mut plain = Vec::new();
+        Gpumem::new(&m, &c).score_nodes(&c, &[0], &share, &mut rng(), &mut plain);
+        assert_eq!(out[0].gpus, GpuMask::single(0));
+        assert_eq!(out[0].score, plain[0].score);
     }
 
     #[test]

@@ -26,7 +26,7 @@ pub fn parse_kube_dra(spec: &str) -> Option<KubeDra> {
 /// Parses `key=value` pairs separated by `:` (`dw=1:q=0.04:pack=0`), starting from the defaults.
 /// Keys: `dw` demand-weighted, `q` quantum, `pack`, `fill`, `mem`, `all`, `gn`, `ft` fill tie weight,
 /// `fgn` fill tie by GPUs needed, `sig` sigmoid score, `rv` reserve weight, `rx` reserve exponent,
-/// `sc` scarcity weight, `dyn` dynamic scarcity (booleans: 0 or 1).
+/// `sc` scarcity weight, `dyn` dynamic scarcity, `idle` idle term weight (booleans: 0 or 1).
 pub fn parse_tuning(spec: &str) -> Option<Tuning> {
     let mut o = Tuning::default();
     for kv in spec.split(':').filter(|s| !s.is_empty()) {
@@ -47,6 +47,7 @@ pub fn parse_tuning(spec: &str) -> Option<Tuning> {
             "sc" => o.scarcity = x,
             "dyn" => o.dynamic = x != 0.0,
             "rx" => o.reserve_exp = x,
+            "idle" => o.idle = x,
             _ => return None,
         }
     }
