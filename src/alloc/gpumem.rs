@@ -9,11 +9,11 @@
 //!    demand that must run on that model over its share of the cluster's capacity ([`pressure`]), scaled
 //!    by how fast the model fills relative to the cluster (free share of the cluster / free share of the
 //!    model). Without `gpu_spec` pods every pressure is 0 and the term vanishes. Each GPU counts as
-//!    its own model (a node may have GPUs of several models). Its **idle** part (`idle`): taking an
-//!    idle GPU of such a model costs `idle x pressure x (idle share of the cluster's GPUs / idle share
-//!    of the model's - 1)` while the model has fewer idle GPUs, for its size, than the cluster: whole
-//!    GPUs and fresh GPUs go elsewhere before the restricted pods' model runs out of room to open.
-//!    It only reorders: every node that fits stays a candidate.
+//!    its own model (a node may have GPUs of several models). An **idle** part (`idle`, off in
+//!    production; docs/simulate.md says what it gained and cost): taking an idle GPU of such a model
+//!    costs `idle x pressure x (idle share of the cluster's GPUs / idle share of the model's - 1)`
+//!    while the model has fewer idle GPUs, for its size, than the cluster. It only reorders: every
+//!    node that fits stays a candidate.
 //! 3. **Reserve for multi-GPU work** (`rv`, `rx`): a placement that takes away a node's ability to host a
 //!    multi-GPU task type of the trace (idle GPUs, CPU, memory, model) pays
 //!    `reserve x popularity / (share of nodes able to host it)^rx`: a type only a few nodes can host
@@ -35,7 +35,7 @@ use super::fgd::Evaluator;
 use super::frag::{FragCache, FragModel, TypicalMix, TypicalType, frag_after};
 use super::{Candidate, Cluster, GpuMask, ModelSet, Node, Policy, Request, indices};
 
-/// The policy's knobs, for experiments. The defaults (`ft=0.001:rv=12:rx=2:sc=10:dyn=1:idle=20`, FGD's sigmoid
+/// The policy's knobs, for experiments. The defaults (`ft=0.001:rv=12:rx=2:sc=10:dyn=1:idle=0`, FGD's sigmoid
 /// score) are the policy: what the scorer runs ([`Gpumem::new`]) and `gpumem simulate` measures as
 /// "gpumem"; only the simulator builds other tunings ([`Gpumem::with_tuning`]).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -93,7 +93,7 @@ impl Default for Tuning {
             scarcity: 10.0,
             dynamic: true,
             reserve_exp: 2.0,
-            idle: 20.0,
+            idle: 0.0,
         }
     }
 }
