@@ -15,15 +15,9 @@ use gpumem::sim::restrict;
 use gpumem::sim::trace::Trace;
 
 fn openb(file: &str) -> PathBuf {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("../shared/traces/openb")
-        .join(file);
-    assert!(
-        path.is_file(),
-        "{}: the shared openb trace is missing (it lies beside the repository)",
-        path.display()
-    );
-    path
+        .join(file)
 }
 
 /// Every fourth node and pod of `pods` on the openb cluster, `restricted` of its GPU pods naming a
@@ -62,6 +56,11 @@ fn unallocated_at_100(r: &RunResult) -> f64 {
 
 #[test]
 fn gpumem_strands_no_more_than_best_fit_first_fit_or_fgd() {
+    // The trace is for research use and not shipped: CI has it beside the repository, a user may not.
+    if !openb("openb_node_list_gpu_node.csv").is_file() {
+        eprintln!("skipped: no openb trace in ../shared/traces/openb");
+        return;
+    }
     let traces = [
         quarter("openb_pod_list_default.csv", None),
         quarter("openb_pod_list_gpuspec20.csv", None),

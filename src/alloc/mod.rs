@@ -376,30 +376,29 @@ impl Node {
         }
     }
 
+    /// Pool, CPU and memory allow the request.
+    #[inline]
+    fn admits_pod(&self, req: &Request) -> bool {
+        self.cpu_free >= req.cpu_milli
+            && self.memory_free >= req.memory_mib
+            && req.pools.is_none_or(|p| p.contains(self.pool))
+    }
+
     /// Pool, model, CPU and memory allow the request (free GPUs not checked).
     #[inline]
     pub fn admits(&self, req: &Request) -> bool {
-        if self.cpu_free < req.cpu_milli
-            || self.memory_free < req.memory_mib
-            || req.pools.is_some_and(|p| !p.contains(self.pool))
-        {
-            return false;
-        }
-        match req.gpu {
-            GpuDemand::None => true,
-            _ => !self.allowed(req).is_empty(),
-        }
+        self.admits_pod(req) && (req.gpu == GpuDemand::None || !self.allowed(req).is_empty())
     }
 
     /// The node can host the request (the scorer's filter).
     pub fn fits(&self, req: &Request) -> bool {
-        if !self.admits(req) {
+        if !self.admits_pod(req) {
             return false;
         }
         let need = req.gpu.gpus_needed();
-        let allowed = self.allowed(req);
         need == 0
-            || allowed
+            || self
+                .allowed(req)
                 .iter()
                 .filter(|&g| req.gpu.fits_gpu(self.gpus[g].capacity, self.gpus[g].free))
                 .count()
