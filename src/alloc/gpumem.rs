@@ -5,7 +5,8 @@
 //! 1. **FGD's gain**: `floor(100 * sigmoid(-(frag_after - frag_before) / gpu))`, the expected fragmentation
 //!    of the typical task mix (the paper's measure, [`super::frag`]), as FGD scores it.
 //! 2. **Model scarcity** (`sc`): a pod that takes GPUs of a model that `gpu_spec`-restricted task types
-//!    depend on pays `scarcity x pressure(model)` points per GPU taken. The pressure is the share of GPU
+//!    depend on pays `scarcity x pressure(model)` points per GPU taken (a share: its fraction of its
+//!    GPU; a GPU counts as one whatever its memory). The pressure is the share of GPU
 //!    demand that must run on that model over its share of the cluster's capacity ([`pressure`]), scaled
 //!    by how fast the model fills relative to the cluster (free share of the cluster / free share of the
 //!    model). Without `gpu_spec` pods every pressure is 0 and the term vanishes. Each GPU counts as
@@ -178,7 +179,7 @@ struct Piece {
     gpus: GpuMask,
     /// FGD's gain less the packing term.
     base: f64,
-    /// GPU units taken (what the scarcity term charges for).
+    /// GPUs taken, a share counting as its fraction of its GPU (what the scarcity term charges for).
     taken: f64,
     /// The fill tie-breaker's term.
     fill: f64,
@@ -516,19 +517,28 @@ impl Gpumem {
                 let g1 = frag_after(m, n, nf, sm, req, gpus, fit, small);
                 o.fill_tie * (g1 - g0) / unit
             });
+            // The scarcity term charges per GPU, whatever its memory: on a mixed fleet a whole T4
+            // costs a T4's worth of scarcity, not the sixth of a large GPU its memory is.
+            let gpus_taken = match req.gpu {
+                super::GpuDemand::Shared { amount } => gpus
+                    .iter()
+                    .next()
+                    .map_or(0.0, |g| f64::from(amount) / f64::from(n.gpus[g].capacity.max(1))),
+                _ => f64::from(gpus.count()),
+            };
             memo.pieces.push(Piece {
                 gpus,
                 base: gain - o.pack * (gpu_left + 1e-3 * node_left),
-                taken: taken as f64,
+                taken: gpus_taken,
                 fill,
             });
         });
     }
 
-    /// The scarcity term of `piece` on a node of several models, each model charged for the units
-    /// taken of its GPUs.
+    /// The scarcity term of `piece` on a node of several models, each model charged for the GPUs
+    /// taken of it.
     fn model_costs(&self, node: &Node, piece: &Piece) -> f64 {
-        // A share takes `taken` of its one GPU; whole GPUs take their capacity.
+        // A share takes `taken` of its one GPU; whole GPUs are counted per model.
         let shared = matches!(self.memo.req, Some(r) if matches!(r.gpu, super::GpuDemand::Shared { .. }));
         let mut cost = 0.0;
         let mut seen = ModelSet::NONE;
@@ -538,18 +548,13 @@ impl Gpumem {
                 continue;
             }
             seen = seen.with(m);
-            let taken: f64 = if shared {
+            let taken = if shared {
                 piece.taken
             } else {
-                piece
-                    .gpus
-                    .iter()
-                    .filter(|&h| node.gpu_model(h) == m)
-                    .map(|h| f64::from(node.gpus[h].capacity))
-                    .sum()
+                piece.gpus.iter().filter(|&h| node.gpu_model(h) == m).count() as f64
             };
             if let Some(p) = self.now.get(m as usize) {
-                cost += p * taken / self.unit;
+                cost += p * taken;
             }
         }
         cost
@@ -572,7 +577,7 @@ impl Gpumem {
                 score -= self.model_costs(node, &piece);
             } else {
                 if let Some(p) = pressure {
-                    score -= p * piece.taken / self.unit;
+                    score -= p * piece.taken;
                 }
             }
             for (w, &word) in memo.broken[k * memo.words..(k + 1) * memo.words]
@@ -1143,7 +1148,7 @@ mod tests {
             vec![1],
             "only an A100 holds 30000 MiB"
         );
-        // Restricted types on a mixed fleet: the pressure is in GPUs of the cluster's mean capacity.
+        // Restricted types on a mixed fleet.
         let only_t4 = ModelSet::NONE.with(0);
         let mix = TypicalMix::from_requests(
             &[
@@ -1165,5 +1170,52 @@ mod tests {
             Some(1),
             "the T4s are what the restricted type needs: {out:?}"
         );
+    }
+
+    #[test]
+    fn scarcity_charges_per_gpu_taken_whatever_its_memory() {
+        // A T4 node and an A100 node, units in MiB; a third of the demand must run on the T4s.
+        let mut c = cluster(vec![]);
+        let big = c.models.intern("A100").expect("intern");
+        c.nodes
+            .push(Node::new("t4", 0, 32_000, 64_000, vec![Gpu::new(15_360); 2]));
+        c.nodes
+            .push(Node::new("a100", big, 32_000, 64_000, vec![Gpu::new(81_920); 2]));
+        let only_t4 = ModelSet::NONE.with(0);
+        let mix = TypicalMix::from_requests(
+            &[
+                Request::shared(1000, 1000, 7680).with_models(only_t4),
+                Request::whole(1000, 0, 1),
+                Request::whole(1000, 0, 1),
+            ],
+            1.0,
+        );
+        let t4_score = |tuning: Tuning, req: &Request| {
+            let mut p = Gpumem::with_tuning(&mix, &c, tuning);
+            let mut out = Vec::new();
+            p.score(&c, req, &mut rng(), &mut out);
+            let on_t4 = out.iter().find(|x| x.node == 0).map(|x| x.score);
+            (
+                on_t4.expect("the T4 node fits"),
+                p.now.first().copied().unwrap_or(0.0),
+            )
+        };
+        let free = Tuning {
+            scarcity: 0.0,
+            ..Tuning::default()
+        };
+        for (req, gpus) in [
+            (Request::whole(1000, 0, 1), 1.0),
+            (Request::shared(1000, 1000, 7680), 0.5),
+        ] {
+            let (charged, now) = t4_score(Tuning::default(), &req);
+            let (plain, _) = t4_score(free, &req);
+            assert!(now > 0.0, "the T4 is under pressure");
+            assert!(
+                (plain - charged - now * gpus).abs() < 1e-9,
+                "{req:?}: {gpus} T4 taken costs {} points, not its memory's share of the mean GPU: {plain} - {charged}",
+                now * gpus
+            );
+        }
     }
 }
