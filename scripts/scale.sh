@@ -17,8 +17,9 @@
 #   GPUMEM_SCALE_NODES      node counts, space-separated ("1000"; e.g. "1000 500")
 #   GPUMEM_SCALE_MODES      "extender alone" (also: dra-alone dra-gpumem, on 1.36)
 #   GPUMEM_SCALE_K8S        the kit's Kubernetes: 1.24 or 1.36 (1.24)
-#   GPUMEM_SCALE_SATURATE   saturation phase: trace pods offered until this many wait unplaced at once,
-#                           then the GPU memory left unallocated is measured (0: none)
+#   GPUMEM_SCALE_SATURATE   saturation phase: trace pods offered, past those that wait, until their GPU
+#                           demand reaches this % of the GPU memory (whole GPUs at the mean GPU's memory);
+#                           then the memory left unallocated and each class's placed share (0: none)
 #   GPUMEM_SCALE_RATE       steady phase, pods created per second (100)
 #   GPUMEM_SCALE_DURATION   steady phase, seconds (30)
 #   GPUMEM_SCALE_BURST      burst phase, pods (3000)

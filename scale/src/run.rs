@@ -98,8 +98,10 @@ pub struct RunArgs {
     pub fill: u64,
     #[arg(long, default_value_t = 1000)]
     pub fill_mib: u64,
-    /// Saturation phase: trace pods offered until this many of them wait unplaced at once; then the
-    /// GPU memory left unallocated is measured, as `gpumem simulate` does (0: no such phase).
+    /// Saturation phase: trace pods offered, past the first that finds no room, until their GPU demand
+    /// reaches this percentage of the cluster's GPU memory (a whole GPU counted at the mean GPU's
+    /// memory, as `gpumem simulate` counts arrived workload); then the memory left unallocated and the
+    /// share of each class of pods placed are measured (0: no such phase).
     #[arg(long, default_value_t = 0)]
     pub saturate: u64,
     /// Saturation phase: at most this many pods offered.
@@ -726,19 +728,90 @@ fn placed_by(world: &World, phase: usize, allocators: &HashMap<String, Allocator
     }
 }
 
-/// The saturation phase: trace pods offered until `--saturate` of them waited unplaced at once.
+/// The saturation phase: trace pods offered until their demand reached `--saturate` % of the GPU memory.
 #[derive(Serialize, Debug)]
 pub struct Saturation {
     pub offered: u64,
+    /// The GPU demand offered, % of the cluster's GPU memory ([`Arrival`]).
+    pub arrived_pct: f64,
     /// GPU memory held by the placed pods (the played agent's books; on the DRA path, the claims'
     /// consumed capacity), MiB.
     pub allocated_mib: u64,
     pub total_mib: u64,
     /// The simulator's metric on the real system: the share of all GPU memory left unallocated.
     pub unallocated_pct: f64,
+    /// Per class of pods ([`classes`]): how many were offered and placed, the simulator's per-class
+    /// success rate (a policy that starves one class to pack another shows here).
+    pub placed: BTreeMap<String, Placed>,
     /// The pods waiting unplaced at the end, by what they ask ([`waiting_kind`]): which demand ran
     /// out of room first (a model one selector asks for fills before the cluster does).
     pub waiting: BTreeMap<String, u64>,
+}
+
+/// Pods of one class offered in the saturation phase, and how many of them were placed.
+#[derive(Serialize, Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Placed {
+    pub offered: u64,
+    pub placed: u64,
+}
+
+impl Placed {
+    pub fn pct(self) -> f64 {
+        100.0 * self.placed as f64 / self.offered.max(1) as f64
+    }
+}
+
+/// The saturation phase's arrived workload: GPU demand against the cluster's GPU memory, a whole GPU
+/// counted at the mean GPU's memory (as `gpumem simulate` counts it).
+#[derive(Debug, Clone, Copy)]
+struct Arrival {
+    total_mib: u64,
+    mean_gpu_mib: u64,
+    target_mib: u64,
+}
+
+impl Arrival {
+    fn new(total_mib: u64, gpus: u64, pct: u64) -> Arrival {
+        Arrival {
+            total_mib,
+            mean_gpu_mib: total_mib / gpus.max(1),
+            target_mib: total_mib.saturating_mul(pct) / 100,
+        }
+    }
+
+    fn demand_mib(&self, size: Size) -> u64 {
+        match size {
+            Size::Share { mib } => mib,
+            Size::Whole { count } => u64::from(count) * self.mean_gpu_mib,
+        }
+    }
+
+    fn reached(&self, arrived_mib: u64) -> bool {
+        arrived_mib >= self.target_mib
+    }
+
+    fn pct(&self, arrived_mib: u64) -> f64 {
+        100.0 * arrived_mib as f64 / self.total_mib.max(1) as f64
+    }
+}
+
+/// The classes a saturation pod counts in: all, restricted or not (it selects a GPU model), its kind,
+/// and the model it selects.
+fn classes(r: &Rec) -> Vec<String> {
+    let mut out = vec![
+        "all".to_string(),
+        if r.shape.model.is_some() {
+            "restricted"
+        } else {
+            "unrestricted"
+        }
+        .to_string(),
+        r.size.kind().as_str().to_string(),
+    ];
+    if r.shape.model.is_some() {
+        out.push(waiting_kind(r));
+    }
+    out
 }
 
 /// What a waiting pod asks, for [`Saturation::waiting`]: its kind, and the model it selects.
@@ -1118,13 +1191,25 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         }
         let t = phases.begin(3);
         let c = &world.counters[3];
-        let mut offered = 0u64;
+        let total_mib: u64 = by_name.values().map(|m| m.total_mib()).sum();
+        let gpus: u64 = by_name.values().map(|m| m.inventory.gpus.len() as u64).sum();
+        let arrival = Arrival::new(total_mib, gpus, args.saturate);
+        let (mut offered, mut arrived_mib) = (0u64, 0u64);
         let stall = Duration::from_secs_f64(args.stall);
         // In rounds: offer a batch, let the scheduler place what it can (until no binding for the
-        // stall time), and stop once `--saturate` pods wait unplaced: a slow binding is not a full cluster.
-        while offered < args.saturate_max {
-            let batch = (args.concurrency as u64 * 8).min(args.saturate_max - offered);
-            let sizes: Vec<Size> = (0..batch).map(|_| sampler.next_size()).collect();
+        // stall time), and go on past the pods that wait: what a policy strands is measured with the
+        // same demand offered to every policy, not at its first failure.
+        while !arrival.reached(arrived_mib) && offered < args.saturate_max {
+            let mut sizes = Vec::new();
+            while sizes.len() < args.concurrency * 8
+                && !arrival.reached(arrived_mib)
+                && offered + (sizes.len() as u64) < args.saturate_max
+            {
+                let size = sampler.next_size();
+                arrived_mib += arrival.demand_mib(size);
+                sizes.push(size);
+            }
+            let batch = sizes.len() as u64;
             create_all(
                 &world,
                 &pods,
@@ -1139,15 +1224,12 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
             let created = c.created.load(Ordering::Relaxed);
             let waiting = created - c.bound.load(Ordering::Relaxed).min(created);
             eprintln!(
-                "[{:>6.1}s] saturate: {offered} offered, {waiting} wait unplaced",
-                started.elapsed().as_secs_f64()
+                "[{:>6.1}s] saturate: {offered} offered ({:.1} % of the GPU memory arrived), {waiting} wait unplaced",
+                started.elapsed().as_secs_f64(),
+                arrival.pct(arrived_mib),
             );
-            if waiting >= args.saturate {
-                break;
-            }
         }
         phases.close(3, t, Duration::from_secs(3)).await?;
-        let total_mib: u64 = by_name.values().map(|m| m.total_mib()).sum();
         let allocated_mib = if dra {
             k8s::claimed_mib(&client, &args.namespace, |node, index| {
                 by_name
@@ -1162,17 +1244,27 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
                 .map(|b| b.usage().gpus.iter().map(|g| g.allocated_mib).sum::<u64>())
                 .sum()
         };
-        let mut waiting = BTreeMap::new();
+        let (mut waiting, mut placed) = (BTreeMap::new(), BTreeMap::new());
         for r in lock(&world.pods).values() {
-            if r.phase == 3 && r.t1.is_none() && !r.gone {
+            if r.phase != 3 || r.gone {
+                continue;
+            }
+            if r.t1.is_none() {
                 *waiting.entry(waiting_kind(r)).or_insert(0) += 1;
+            }
+            for class in classes(r) {
+                let p: &mut Placed = placed.entry(class).or_default();
+                p.offered += 1;
+                p.placed += u64::from(r.t1.is_some());
             }
         }
         Some(Saturation {
             offered,
+            arrived_pct: arrival.pct(arrived_mib),
             allocated_mib,
             total_mib,
             unallocated_pct: 100.0 * (1.0 - allocated_mib as f64 / total_mib.max(1) as f64),
+            placed,
             waiting,
         })
     } else {
@@ -1484,9 +1576,15 @@ pub fn render(s: &Summary) -> String {
     if let Some(sat) = &s.saturation {
         let _ = writeln!(
             out,
-            "saturation: {} pods offered; {} of {} MiB of GPU memory allocated: {:.2}% unallocated",
-            sat.offered, sat.allocated_mib, sat.total_mib, sat.unallocated_pct
+            "saturation: {} pods offered ({:.1} % of the GPU memory arrived); {} of {} MiB of GPU memory allocated: {:.2}% unallocated",
+            sat.offered, sat.arrived_pct, sat.allocated_mib, sat.total_mib, sat.unallocated_pct
         );
+        let placed: Vec<String> = sat
+            .placed
+            .iter()
+            .map(|(k, p)| format!("{k} {:.1} % ({}/{})", p.pct(), p.placed, p.offered))
+            .collect();
+        let _ = writeln!(out, "saturation: placed: {}", placed.join(", "));
         let waiting: Vec<String> = sat.waiting.iter().map(|(k, n)| format!("{n} {k}")).collect();
         let _ = writeln!(out, "saturation: waiting at the end: {}", waiting.join(", "));
     }
@@ -1679,5 +1777,37 @@ mod tests {
         for absent in ["shapes", "placed_by_gpumem"] {
             assert!(json["phases"][0].get(absent).is_none(), "{absent}");
         }
+    }
+
+    #[test]
+    fn saturation_offers_demand_up_to_the_share_of_gpu_memory_whole_gpus_at_the_mean() {
+        // Two GPUs of 16 GiB and 80 GiB: the mean GPU is 48 GiB.
+        let a = Arrival::new(96 * 1024, 2, 100);
+        assert_eq!(a.demand_mib(Size::Share { mib: 5000 }), 5000);
+        assert_eq!(a.demand_mib(Size::Whole { count: 2 }), 96 * 1024);
+        assert!(!a.reached(96 * 1024 - 1) && a.reached(96 * 1024));
+        assert_eq!(a.pct(48 * 1024), 50.0);
+        let beyond = Arrival::new(1000, 1, 120);
+        assert!(!beyond.reached(1199) && beyond.reached(1200));
+        assert!(Arrival::new(1000, 1, 0).reached(0), "0: no saturation pods");
+    }
+
+    #[test]
+    fn a_saturation_pod_counts_in_its_classes() {
+        let mut t4_share = Rec::new(3, Size::Share { mib: 4000 }, None);
+        t4_share.shape.model = Some(Model::T4);
+        assert_eq!(classes(&t4_share), ["all", "restricted", "share", "share t4"]);
+        let multi = Rec::new(3, Size::Whole { count: 4 }, None);
+        assert_eq!(classes(&multi), ["all", "unrestricted", "multi-gpu"]);
+        let p = Placed {
+            offered: 8,
+            placed: 6,
+        };
+        assert_eq!(p.pct(), 75.0);
+        assert_eq!(
+            Placed::default().pct(),
+            0.0,
+            "no pods: none placed, no division by zero"
+        );
     }
 }
