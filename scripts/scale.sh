@@ -201,6 +201,11 @@ $(sed 's/^/  /' <<< "$DRA_CONFIG")"
       log "no token for the scorer's service account"
       return 1
     }
+    # A scorer left by a killed run would answer for this one (kube-scheduler would talk to it).
+    if curl -s -o /dev/null "http://$SCORER_ADDR/readyz"; then
+      log "something already listens on $SCORER_ADDR (a scorer left by an earlier run?); stop it first"
+      return 1
+    fi
     start_scorer
     local i
     for ((i = 0; i < 60; i++)); do
