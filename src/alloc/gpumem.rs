@@ -1126,14 +1126,20 @@ mod tests {
         );
     }
 
-    #[test]
-    fn works_with_mixed_capacities() {
+    /// A node of two T4s (model 0) and one of two A100s, units in MiB.
+    fn t4_and_a100() -> Cluster {
         let mut c = cluster(vec![]);
         let big = c.models.intern("A100").expect("intern");
         c.nodes
             .push(Node::new("t4", 0, 32_000, 64_000, vec![Gpu::new(15_360); 2]));
         c.nodes
             .push(Node::new("a100", big, 32_000, 64_000, vec![Gpu::new(81_920); 2]));
+        c
+    }
+
+    #[test]
+    fn works_with_mixed_capacities() {
+        let c = t4_and_a100();
         let reqs = [
             Request::shared(1000, 1000, 15_000),
             Request::shared(1000, 1000, 15_000),
@@ -1174,13 +1180,8 @@ mod tests {
 
     #[test]
     fn scarcity_charges_per_gpu_taken_whatever_its_memory() {
-        // A T4 node and an A100 node, units in MiB; a third of the demand must run on the T4s.
-        let mut c = cluster(vec![]);
-        let big = c.models.intern("A100").expect("intern");
-        c.nodes
-            .push(Node::new("t4", 0, 32_000, 64_000, vec![Gpu::new(15_360); 2]));
-        c.nodes
-            .push(Node::new("a100", big, 32_000, 64_000, vec![Gpu::new(81_920); 2]));
+        // A third of the demand must run on the T4s.
+        let c = t4_and_a100();
         let only_t4 = ModelSet::NONE.with(0);
         let mix = TypicalMix::from_requests(
             &[
