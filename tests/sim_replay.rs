@@ -218,6 +218,32 @@ fn simulate_writes_table_csvs_and_chart() {
         classes.contains("synthetic,gpumem,42,100,shared,true,"),
         "{classes}"
     );
+    // The restricted pods per model set they name, summing to the restricted rows of classes.csv.
+    let restricted = std::fs::read_to_string(out.join("restricted.csv")).expect("restricted");
+    assert!(restricted.starts_with("trace,policy,seed,point,models,arrived,placed\n"));
+    for set in ["T4", "P100|T4", "G2"] {
+        assert!(
+            restricted.contains(&format!("synthetic,gpumem,42,end,{set},")),
+            "{restricted}"
+        );
+    }
+    let sum = |csv: &str, prefix: &str, restricted_col: Option<usize>| -> (u32, u32) {
+        csv.lines()
+            .filter(|l| l.starts_with(prefix))
+            .map(|l| l.split(',').collect::<Vec<_>>())
+            .filter(|c| restricted_col.is_none_or(|i| c[i] == "true"))
+            .fold((0, 0), |(a, p), c| {
+                let n = c.len();
+                let num = |v: &str| v.parse::<u32>().expect("a count");
+                (a + num(c[n - 2]), p + num(c[n - 1]))
+            })
+    };
+    for point in ["100", "end"] {
+        let prefix = format!("synthetic,gpumem,42,{point},");
+        let by_set = sum(&restricted, &prefix, None);
+        assert!(by_set.0 > 0, "{restricted}");
+        assert_eq!(by_set, sum(&classes, &prefix, Some(5)), "{restricted}\n{classes}");
+    }
     let curves = std::fs::read_to_string(out.join("curves.csv")).expect("curves");
     assert!(curves.lines().count() > 100);
     let svg = std::fs::read_to_string(out.join("unallocated.svg")).expect("chart");

@@ -444,10 +444,11 @@ pub fn run(args: &SimulateArgs) -> Result<()> {
     report::write_curves(&args.out.join("curves.csv"), &trace.name, &all, max_pct)?;
     report::write_runs(&args.out.join("runs.csv"), &trace.name, &all)?;
     report::write_classes(&args.out.join("classes.csv"), &trace.name, &all)?;
+    report::write_restricted(&args.out.join("restricted.csv"), &trace.name, &all)?;
     report::write_bounds(&args.out.join("bound.csv"), &trace.name, &bounds)?;
     report::write_chart(&args.out.join("unallocated.svg"), &trace.name, &all, max_pct)?;
     println!(
-        "wrote {}/{{summary.csv,curves.csv,runs.csv,classes.csv,bound.csv,unallocated.svg}}",
+        "wrote {}/{{summary.csv,curves.csv,runs.csv,classes.csv,restricted.csv,bound.csv,unallocated.svg}}",
         args.out.display()
     );
     Ok(())

@@ -7,7 +7,10 @@ use rand::{RngExt, SeedableRng};
 use rand_pcg::Pcg64Mcg;
 
 use crate::alloc::frag::{FragModel, TypicalMix};
-use crate::alloc::{self, Candidate, Cluster, GpuDemand, MixConfig, OnlineMix, Request, TieBreak};
+use crate::alloc::{
+    self, Candidate, Cluster, GpuDemand, MAX_MODELS, MixConfig, ModelSet, ModelTable, OnlineMix, Request,
+    TieBreak,
+};
 
 use super::trace::Trace;
 
@@ -136,6 +139,63 @@ impl Classes {
     }
 }
 
+/// Restricted GPU pods that name one model set: what arrived and what was placed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SetPlaced {
+    pub models: ModelSet,
+    /// The set's model names in model id order, joined by `|` ([`set_name`]).
+    pub name: String,
+    pub placed: Placed,
+}
+
+/// The name of a model set: its models' names in model id order, joined by `|` (`none` for the empty
+/// set, which a pod names when none of the models it asks for is in the cluster).
+pub fn set_name(models: &ModelTable, set: ModelSet) -> String {
+    let names: Vec<&str> = (0..MAX_MODELS as u8)
+        .filter(|&id| set.contains(id))
+        .map(|id| models.name(id))
+        .collect();
+    if names.is_empty() {
+        "none".to_string()
+    } else {
+        names.join("|")
+    }
+}
+
+/// Restricted GPU pods per model set they name, sorted by the set's bits (a run sees few distinct
+/// sets: a lookup is a binary search, a new set the only allocation).
+#[derive(Debug, Clone, Default)]
+struct BySet(Vec<(ModelSet, Placed)>);
+
+impl BySet {
+    fn count(&mut self, req: &Request, placed: bool) {
+        let (Some(models), Some(_)) = (req.models, PodClass::of(req)) else {
+            return;
+        };
+        let i = match self.0.binary_search_by_key(&models, |e| e.0) {
+            Ok(i) => i,
+            Err(i) => {
+                self.0.insert(i, (models, Placed::default()));
+                i
+            }
+        };
+        let cell = &mut self.0[i].1;
+        cell.arrived += 1;
+        cell.placed += u32::from(placed);
+    }
+
+    fn named(&self, models: &ModelTable) -> Vec<SetPlaced> {
+        self.0
+            .iter()
+            .map(|&(set, placed)| SetPlaced {
+                models: set,
+                name: set_name(models, set),
+                placed,
+            })
+            .collect()
+    }
+}
+
 /// The outcome of one replay.
 #[derive(Debug, Clone)]
 pub struct RunResult {
@@ -147,6 +207,10 @@ pub struct RunResult {
     /// Per class, what was placed of what arrived until 100% of capacity had arrived, and until the end.
     pub classes_at_100: Classes,
     pub classes: Classes,
+    /// The restricted GPU pods of `classes_at_100` and `classes`, per model set they name (sorted by the
+    /// set's bits; a set appears once a pod naming it arrived). They sum to `total(Some(true))`.
+    pub restricted_at_100: Vec<SetPlaced>,
+    pub restricted: Vec<SetPlaced>,
     /// Final arrived workload, % of GPU capacity.
     pub arrived_pct: f64,
     /// Final allocated GPU units and capacity.
@@ -313,11 +377,13 @@ pub fn replay_sequence(
     let mut scratch: Vec<Candidate> = Vec::with_capacity(cluster.nodes.len());
     let mut since = 0u64;
     let (mut classes, mut classes_at_100) = (Classes::default(), Classes::default());
+    let (mut by_set, mut by_set_at_100) = (BySet::default(), BySet::default());
     for req in pods {
         let units = trace.units(req);
         arrived += units;
         if arrived > capacity && classes_at_100 == Classes::default() {
             classes_at_100 = classes;
+            by_set_at_100.0.clone_from(&by_set.0);
         }
         if let Some(o) = online.as_mut() {
             // The pods before this one, as a policy could know them when this one arrives.
@@ -330,6 +396,7 @@ pub fn replay_sequence(
         }
         let chosen = alloc::place(pol.as_mut(), &mut cluster, req, tie, &mut rng, &mut scratch)?;
         classes.count(req, chosen.is_some());
+        by_set.count(req, chosen.is_some());
         match chosen {
             Some(c) => {
                 let n = &cluster.nodes[c.node as usize];
@@ -364,6 +431,7 @@ pub fn replay_sequence(
     progress(since);
     if classes_at_100 == Classes::default() {
         classes_at_100 = classes;
+        by_set_at_100.0.clone_from(&by_set.0);
     }
     tracing::debug!(policy = name, seed, failed, pods = pods.len(), "replay done");
     Ok(RunResult {
@@ -374,6 +442,8 @@ pub fn replay_sequence(
         failed,
         classes_at_100,
         classes,
+        restricted_at_100: by_set_at_100.named(&cluster.models),
+        restricted: by_set.named(&cluster.models),
         arrived_pct: arrived as f64 / cap * 100.0,
         allocated,
         capacity,
@@ -381,4 +451,132 @@ pub fn replay_sequence(
         builds,
         build_seconds,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::alloc::testutil::{random_cluster, random_request};
+    use crate::alloc::{Gpu, Node};
+
+    fn replay_pods(trace: &Trace, pods: &[Request]) -> RunResult {
+        let ranks: Vec<u32> = (0..trace.cluster.nodes.len() as u32).collect();
+        replay_sequence(
+            trace,
+            "BestFit",
+            1,
+            pods,
+            &ranks,
+            1.3,
+            &TypicalMix::default(),
+            MixView::Oracle,
+            false,
+            |_| {},
+        )
+        .expect("the replay runs")
+    }
+
+    fn sum(sets: &[SetPlaced]) -> Placed {
+        sets.iter().fold(Placed::default(), |t, s| Placed {
+            arrived: t.arrived + s.placed.arrived,
+            placed: t.placed + s.placed.placed,
+        })
+    }
+
+    fn row(sets: &[SetPlaced]) -> Vec<(&str, u32, u32)> {
+        sets.iter()
+            .map(|s| (s.name.as_str(), s.placed.arrived, s.placed.placed))
+            .collect()
+    }
+
+    #[test]
+    fn restricted_pods_are_counted_per_model_set_they_name() {
+        // Models T4 (0), A100 (1), H100 (2); GPUs: two T4s and one A100, no H100.
+        let mut models = ModelTable::default();
+        for m in ["T4", "A100", "H100"] {
+            models.intern(m).expect("a model");
+        }
+        let node = |name: &str, model, gpus: usize| {
+            Node::new(name, model, 64_000, 64_000, vec![Gpu::new(1000); gpus])
+        };
+        let trace = Trace {
+            name: "tiny".into(),
+            cluster: Cluster::new(models, vec![node("t4", 0, 2), node("a100", 1, 1)]),
+            pods: Vec::new(),
+        };
+        let t4 = ModelSet::NONE.with(0);
+        let big = ModelSet::NONE.with(1).with(2);
+        let h100 = ModelSet::NONE.with(2);
+        let whole = Request::whole(0, 0, 1);
+        let pods = [
+            Request::cpu_only(100, 100).with_models(t4), // no GPU: in no class
+            whole.with_models(t4),
+            Request::shared(0, 0, 500).with_models(t4),
+            whole.with_models(big),
+            // 2500 of 3000 units arrived before this one, 3500 with it: past 100%. The A100 is taken
+            // and no H100 exists; the second T4 holds a share, so no whole GPU is left.
+            whole.with_models(big),
+            whole.with_models(h100),
+            whole,
+        ];
+        let r = replay_pods(&trace, &pods);
+        assert_eq!(
+            row(&r.restricted_at_100),
+            [("T4", 2, 2), ("A100|H100", 1, 1)],
+            "until 100% arrived"
+        );
+        // Sorted by the set's bits: T4 (1), H100 (4), A100|H100 (6).
+        assert_eq!(
+            row(&r.restricted),
+            [("T4", 2, 2), ("H100", 1, 0), ("A100|H100", 2, 1)],
+            "until the end"
+        );
+        assert_eq!(r.restricted[2].models, big);
+        assert_eq!(sum(&r.restricted_at_100), r.classes_at_100.total(Some(true)));
+        assert_eq!(sum(&r.restricted), r.classes.total(Some(true)));
+        assert_eq!(
+            r.classes.total(Some(false)),
+            Placed {
+                arrived: 1,
+                placed: 0
+            }
+        );
+        assert_eq!(set_name(&trace.cluster.models, ModelSet::NONE), "none");
+    }
+
+    #[test]
+    fn the_sets_sum_to_the_restricted_pods_of_every_class() {
+        use rand::SeedableRng;
+        let mut r = Pcg64Mcg::seed_from_u64(11);
+        let cluster = random_cluster(&mut r, 12, 8);
+        // One model or the other (`random_request`), and now and then both.
+        let both = ModelSet::NONE.with(0).with(1);
+        let pods: Vec<Request> = (0..400)
+            .map(|i| match random_request(&mut r) {
+                req if req.models.is_some() && i % 3 == 0 => req.with_models(both),
+                req => req,
+            })
+            .collect();
+        let trace = Trace {
+            name: "random".into(),
+            cluster,
+            pods: Vec::new(),
+        };
+        let res = replay_pods(&trace, &pods);
+        let restricted = res.classes.total(Some(true));
+        assert!(restricted.arrived > 0 && restricted.placed > 0, "{restricted:?}");
+        assert!(
+            restricted.placed < restricted.arrived,
+            "some fail: {restricted:?}"
+        );
+        assert_eq!(sum(&res.restricted), restricted);
+        assert_eq!(sum(&res.restricted_at_100), res.classes_at_100.total(Some(true)));
+        let names: Vec<&str> = res.restricted.iter().map(|s| s.name.as_str()).collect();
+        assert_eq!(names, ["G", "H", "G|H"], "sorted by the set's bits");
+        for s in &res.restricted {
+            let at_100 = res.restricted_at_100.iter().find(|a| a.models == s.models);
+            let before = at_100.map_or(Placed::default(), |a| a.placed);
+            assert!(before.arrived <= s.placed.arrived && before.placed <= s.placed.placed);
+        }
+    }
 }

@@ -1,13 +1,13 @@
 //! Aggregation over seeds and the outputs: the table, the CSVs and the chart.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::fmt::Write as _;
 use std::path::Path;
 
 use anyhow::{Context, Result};
 
-use super::replay::{Classes, Placed, PodClass, RunResult};
-use crate::alloc::canonical_policy_name;
+use super::replay::{Classes, Placed, PodClass, RunResult, SetPlaced};
+use crate::alloc::{ModelSet, canonical_policy_name};
 
 /// Arrived-workload points of the table (% of GPU capacity).
 pub const TABLE_PCTS: [usize; 7] = [90, 95, 100, 105, 110, 120, 130];
@@ -82,6 +82,24 @@ impl PolicyRuns {
             .runs
             .iter()
             .filter_map(|r| pick(if at_end { &r.classes } else { &r.classes_at_100 }).pct())
+            .collect();
+        Stat::of(&vals)
+    }
+
+    /// Mean ± sd over seeds of the placed % of the restricted GPU pods that name `models` (`at_end`: the
+    /// whole run; otherwise up to 100% arrived). `None` when no run had such pods.
+    pub fn placed_naming(&self, at_end: bool, models: ModelSet) -> Option<Stat> {
+        let vals: Vec<f64> = self
+            .runs
+            .iter()
+            .filter_map(|r| {
+                let sets = if at_end {
+                    &r.restricted
+                } else {
+                    &r.restricted_at_100
+                };
+                sets.iter().find(|s| s.models == models)?.placed.pct()
+            })
             .collect();
         Stat::of(&vals)
     }
@@ -188,6 +206,26 @@ pub fn table(trace: &str, all: &[PolicyRuns], published: &Published) -> String {
             let _ = writeln!(s);
         }
     }
+    let sets = named_sets(all);
+    if !sets.is_empty() {
+        let _ = writeln!(
+            s,
+            "\nRestricted pods placed by the models they name, % of those arrived until 100% arrived (mean ± sd):"
+        );
+        let _ = write!(s, "{:<w$}", "policy");
+        let widths: Vec<usize> = sets.values().map(|name| name.len().max(14) + 1).collect();
+        for (name, cw) in sets.values().zip(&widths) {
+            let _ = write!(s, "{name:>cw$}");
+        }
+        let _ = writeln!(s);
+        for p in all {
+            let _ = write!(s, "{:<w$}", p.policy);
+            for (models, cw) in sets.keys().zip(&widths) {
+                let _ = write!(s, "{:>cw$}", cell(p.placed_naming(false, *models)));
+            }
+            let _ = writeln!(s);
+        }
+    }
     let _ = writeln!(s, "\nFailed pods (mean ± sd):");
     for p in all {
         let _ = writeln!(s, "  {:<w$}{}", p.policy, cell(p.failed()));
@@ -251,6 +289,48 @@ pub fn write_classes(path: &Path, trace: &str, all: &[PolicyRuns]) -> Result<()>
                             c.placed.to_string(),
                         ])?;
                     }
+                }
+            }
+        }
+    }
+    w.flush()?;
+    Ok(())
+}
+
+/// The model sets that restricted GPU pods named in any run up to 100% arrived, by the set's bits, with
+/// their names: the columns of the table's restricted breakdown.
+fn named_sets(all: &[PolicyRuns]) -> BTreeMap<ModelSet, &str> {
+    let mut sets = BTreeMap::new();
+    for set in all
+        .iter()
+        .flat_map(|p| &p.runs)
+        .flat_map(|r| &r.restricted_at_100)
+    {
+        sets.entry(set.models).or_insert(set.name.as_str());
+    }
+    sets
+}
+
+/// `restricted.csv`: per run, point (`100`: up to 100% arrived, `end`) and model set the restricted GPU
+/// pods named (the models' names joined by `|`), the pods that arrived and those placed; a set no pod of
+/// the run named by that point has no row.
+pub fn write_restricted(path: &Path, trace: &str, all: &[PolicyRuns]) -> Result<()> {
+    let mut w = csv::Writer::from_path(path).with_context(|| format!("cannot write {}", path.display()))?;
+    w.write_record(["trace", "policy", "seed", "point", "models", "arrived", "placed"])?;
+    for p in all {
+        for r in &p.runs {
+            let points: [(&str, &[SetPlaced]); 2] = [("100", &r.restricted_at_100), ("end", &r.restricted)];
+            for (point, sets) in points {
+                for set in sets {
+                    w.write_record([
+                        trace.to_string(),
+                        p.policy.to_string(),
+                        r.seed.to_string(),
+                        point.to_string(),
+                        set.name.clone(),
+                        set.placed.arrived.to_string(),
+                        set.placed.placed.to_string(),
+                    ])?;
                 }
             }
         }
@@ -448,4 +528,123 @@ pub fn write_chart(path: &Path, trace: &str, all: &[PolicyRuns], max_pct: usize)
         .map_err(|e| err(&e))?;
     root.present().map_err(|e| err(&e))?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sim::replay::Curve;
+
+    fn run(seed: u64, sets: &[(u64, &str, u32, u32)]) -> RunResult {
+        let sets: Vec<SetPlaced> = sets
+            .iter()
+            .map(|&(bits, name, arrived, placed)| SetPlaced {
+                models: ModelSet(bits),
+                name: name.to_string(),
+                placed: Placed { arrived, placed },
+            })
+            .collect();
+        RunResult {
+            policy: "BestFit",
+            seed,
+            // No arrival recorded: every curve cell of the table is empty.
+            curve: Curve {
+                count: vec![0; 140],
+                unalloc: vec![0.0; 140],
+                frag: vec![0.0; 140],
+                frag_rate: vec![0.0; 140],
+            },
+            pods: 0,
+            failed: 0,
+            classes_at_100: Classes::default(),
+            classes: Classes::default(),
+            restricted_at_100: sets.clone(),
+            restricted: sets,
+            arrived_pct: 0.0,
+            allocated: 0,
+            capacity: 0,
+            seconds: 0.0,
+            builds: 1,
+            build_seconds: 0.0,
+        }
+    }
+
+    #[test]
+    fn the_table_breaks_restricted_pods_down_by_the_models_they_name() {
+        let long = "NVIDIA A100-SXM4-80GB|NVIDIA H100 80GB HBM3";
+        let all = [
+            PolicyRuns {
+                policy: "BestFit",
+                paper: None,
+                runs: vec![
+                    run(1, &[(1, "Tesla T4", 4, 2), (6, long, 2, 2)]),
+                    // Seed 2 had no pod naming the A100 or H100: that seed has no value there.
+                    run(2, &[(1, "Tesla T4", 4, 4)]),
+                ],
+            },
+            PolicyRuns {
+                policy: "gpumem",
+                paper: None,
+                runs: vec![run(1, &[(6, long, 4, 1)])],
+            },
+        ];
+        let t = table("tiny", &all, &Published::new());
+        let title = "Restricted pods placed by the models they name, % of those arrived until 100% arrived";
+        let rows: Vec<&str> = t
+            .lines()
+            .skip_while(|l| !l.starts_with(title))
+            .skip(1)
+            .take(3)
+            .collect();
+        assert_eq!(rows.len(), 3, "{t}");
+        assert_eq!(
+            rows[0],
+            format!("{:<14}{:>15} {long}", "policy", "Tesla T4"),
+            "a column as wide as its name, at least 14: {t}"
+        );
+        assert!(rows[1].starts_with("BestFit"), "{t}");
+        // Seeds 1 and 2 of T4: 50% and 100%; the set of two models, one seed: 100%.
+        assert!(
+            rows[1].contains("75.00 ± 35.36") && rows[1].ends_with("100.00 ± 0.00"),
+            "{t}"
+        );
+        assert!(
+            rows[2].contains(" - ") && rows[2].ends_with("25.00 ± 0.00"),
+            "{t}"
+        );
+        // The columns line up under their names.
+        for r in &rows[1..] {
+            assert_eq!(r.chars().count(), rows[0].chars().count(), "{t}");
+        }
+
+        let none = [PolicyRuns {
+            policy: "BestFit",
+            paper: None,
+            runs: vec![run(1, &[])],
+        }];
+        assert!(!table("tiny", &none, &Published::new()).contains(title));
+    }
+
+    #[test]
+    fn restricted_csv_has_a_row_per_run_point_and_set() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("restricted.csv");
+        let all = [PolicyRuns {
+            policy: "gpumem",
+            paper: None,
+            runs: vec![run(3, &[(1, "T4", 4, 3), (6, "A100|H100", 2, 0)])],
+        }];
+        write_restricted(&path, "tiny", &all).expect("written");
+        let csv = std::fs::read_to_string(&path).expect("read");
+        assert_eq!(
+            csv.lines().collect::<Vec<_>>(),
+            [
+                "trace,policy,seed,point,models,arrived,placed",
+                "tiny,gpumem,3,100,T4,4,3",
+                "tiny,gpumem,3,100,A100|H100,2,0",
+                "tiny,gpumem,3,end,T4,4,3",
+                "tiny,gpumem,3,end,A100|H100,2,0",
+            ]
+        );
+    }
 }
