@@ -134,9 +134,9 @@ async fn a_filtered_pod_is_reserved_before_its_bind_reads_the_api_server() {
 
 #[tokio::test]
 async fn bind_uses_the_policy_choice_of_gpu() {
-    // 4000 MiB: GPU 0 is idle (keep it whole), GPU 1 would keep 2384 MiB (room for a typical 2048 MiB
-    // pod), GPU 2 would strand 384 MiB. Fragmentation-aware choice: GPU 1, not plain best fit (GPU 2).
-    let node = node_json("n", &[g(16384, 0), g(16384, 10000), g(16384, 12000)]);
+    // 4000 MiB: GPU 0 (8192 MiB, idle) is the first fit and the best fit, GPU 1 (16384 MiB) is already
+    // shared, GPU 2 idle. Fragmentation-aware choice: GPU 1, keeping both idle GPUs whole.
+    let node = node_json("n", &[g(8192, 0), g(16384, 6384), g(16384, 0)]);
     let pod = pod_json(
         "p",
         4000,

@@ -98,6 +98,8 @@ struct Range {
 pub struct FragModel {
     /// Fill mode: see [`FragModel::fill`].
     fill: bool,
+    /// See [`FragModel::whole_in_mean_gpus`] (0: off).
+    whole_unit: u32,
     classes: Vec<GpuDemand>,
     need: Vec<u32>,
     /// Per model: popularity of the types that count all idle capacity as fragment regardless of state.
@@ -163,6 +165,7 @@ impl FragModel {
             .sum();
         FragModel {
             fill: false,
+            whole_unit: 0,
             classes,
             need,
             always,
@@ -179,6 +182,29 @@ impl FragModel {
     pub fn fill(mut self, on: bool) -> FragModel {
         self.fill = on;
         self
+    }
+
+    /// Whole-GPU task types count a GPU they cannot use as a GPU of `unit` units (the cluster's mean
+    /// GPU) with the same memory taken: `free + unit - capacity` (at least 0; nothing once full),
+    /// instead of its free units. A whole-GPU pod needs one GPU whatever its memory, so on a mixed
+    /// fleet breaking a T4 costs it as much as breaking an A100; in the paper's measure it cost a
+    /// fifth as much, and shares broke the small GPUs first. On a fleet of one GPU size this is the
+    /// paper's measure. 0: off (the paper's measure).
+    pub fn whole_in_mean_gpus(mut self, unit: u32) -> FragModel {
+        self.whole_unit = unit;
+        self
+    }
+
+    /// The fragment one GPU of `capacity` units with `free` of them free counts for `class` when it
+    /// cannot host one of its shares.
+    #[inline]
+    fn small_of(&self, class: GpuDemand, capacity: u32, free: u32) -> u64 {
+        match class {
+            GpuDemand::Whole { .. } if self.whole_unit > 0 && free > 0 => {
+                (u64::from(free) + u64::from(self.whole_unit)).saturating_sub(u64::from(capacity))
+            }
+            _ => u64::from(free),
+        }
     }
 
     /// In fill mode, how many units of class `c` one GPU in this state holds (shares, or idle GPUs).
@@ -207,7 +233,7 @@ impl FragModel {
                 } else if class.fits_gpu(g.capacity, g.free) {
                     fit += 1;
                 } else {
-                    sm += u64::from(g.free);
+                    sm += self.small_of(*class, g.capacity, g.free);
                 }
             }
             n_fit[c] = fit;
@@ -229,13 +255,16 @@ impl FragModel {
         match (fb, fa) {
             (true, false) => {
                 *n_fit -= 1;
-                *small += u64::from(after);
+                *small += self.small_of(class, capacity, after);
             }
             (false, true) => {
                 *n_fit += 1;
-                *small -= u64::from(before);
+                *small -= self.small_of(class, capacity, before);
             }
-            (false, false) => *small = *small - u64::from(before) + u64::from(after),
+            (false, false) => {
+                *small =
+                    *small - self.small_of(class, capacity, before) + self.small_of(class, capacity, after)
+            }
             (true, true) => {}
         }
     }
@@ -634,6 +663,57 @@ mod tests {
             let slow = m.node_frag(&c.nodes[0]);
             assert!((fast - slow).abs() < 1e-6, "{req:?} on {gpus}: {fast} vs {slow}");
         }
+    }
+
+    #[test]
+    fn whole_gpu_types_can_count_a_broken_gpu_as_a_mean_gpu() {
+        let paper = FragModel::new(&mix(&[(0, GpuDemand::Whole { count: 1 }, 1.0)]), &models(), false);
+        // A T4 (15360 MiB) and an A100 (81920 MiB): the mean GPU is 48640 MiB.
+        let mean = paper.clone().whole_in_mean_gpus(48_640);
+        let t4_and_a100 = |t4: u32, a100: u32| {
+            let mut n = node("a", 64_000, &[]);
+            n.gpus = vec![Gpu::new(15_360), Gpu::new(81_920)];
+            (n.gpus[0].free, n.gpus[1].free) = (t4, a100);
+            n
+        };
+        // 5000 MiB taken of the T4, or of the A100: the paper's measure counts what each keeps free,
+        // so breaking the T4 looks seven times cheaper.
+        let (on_t4, on_a100) = (t4_and_a100(10_360, 81_920), t4_and_a100(15_360, 76_920));
+        assert_eq!(paper.node_frag(&on_t4), 10_360.0);
+        assert_eq!(paper.node_frag(&on_a100), 76_920.0);
+        // As mean GPUs, both lose the whole-GPU pod one GPU less the 5000 MiB taken.
+        assert_eq!(mean.node_frag(&on_t4), 43_640.0);
+        assert_eq!(mean.node_frag(&on_a100), 43_640.0);
+        // A full GPU is no fragment; nor is an A100 with less free than a mean GPU's worth of room.
+        assert_eq!(mean.node_frag(&t4_and_a100(0, 81_920)), 0.0);
+        assert_eq!(mean.node_frag(&t4_and_a100(15_360, 30_000)), 0.0);
+        // The incremental path agrees with a recomputation.
+        let d = mean.classes();
+        let (mut nf, mut sm, mut f2, mut s2) = (vec![0; d], vec![0; d], vec![0; d], vec![0; d]);
+        let n = t4_and_a100(10_360, 81_920);
+        mean.summarize(&n, &mut nf, &mut sm);
+        for (req, gpus) in [
+            (Request::shared(0, 0, 10_360), GpuMask::single(0)),
+            (Request::shared(0, 0, 4_000), GpuMask::single(0)),
+            (Request::shared(0, 0, 4_000), GpuMask::single(1)),
+            (Request::whole(0, 0, 1), GpuMask::single(1)),
+        ] {
+            let fast = frag_after(&mean, &n, &nf, &sm, &req, gpus, &mut f2, &mut s2);
+            let mut after = n.clone();
+            for g in gpus.iter() {
+                after.gpus[g].free -= match req.gpu {
+                    GpuDemand::Shared { amount } => amount,
+                    _ => after.gpus[g].capacity,
+                };
+            }
+            assert_eq!(fast, mean.node_frag(&after), "{req:?} on {gpus}");
+        }
+        // On a fleet of one GPU size it is the paper's measure.
+        let uniform = node("u", 64_000, &[1000, 300]);
+        assert_eq!(
+            paper.clone().whole_in_mean_gpus(1000).node_frag(&uniform),
+            paper.node_frag(&uniform)
+        );
     }
 
     #[test]

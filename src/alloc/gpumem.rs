@@ -3,7 +3,10 @@
 //! The score of a placement is lexicographic in effect (the later terms are small next to the first):
 //!
 //! 1. **FGD's gain**: `floor(100 * sigmoid(-(frag_after - frag_before) / gpu))`, the expected fragmentation
-//!    of the typical task mix (the paper's measure, [`super::frag`]), as FGD scores it.
+//!    of the typical task mix (the paper's measure, [`super::frag`]), as FGD scores it, but for one change
+//!    on a fleet of mixed GPU sizes (`wg`): a GPU a whole-GPU type cannot use counts as a mean-sized GPU
+//!    with the same memory taken, not by its free memory ([`FragModel::whole_in_mean_gpus`]), so that a
+//!    share breaking a T4 costs the whole-GPU pods what breaking an A100 does.
 //! 2. **Model scarcity** (`sc`): a pod that takes GPUs of a model that `gpu_spec`-restricted task types
 //!    depend on pays `scarcity x pressure(model)` points per GPU taken (a share: its fraction of its
 //!    GPU; a GPU counts as one whatever its memory). The pressure is the share of GPU
@@ -24,7 +27,8 @@
 //!    capacity a node cannot use once packed with typical tasks as far as its CPU and memory allow. Its
 //!    weight keeps it a tie-breaker among placements FGD scores the same.
 //!
-//! Ties left after that go to the caller's tie-break (the simulator's per-seed node ranking, as the FGD
+//! Among one node's equal placements the one leaving its GPUs the least room wins. Ties between nodes
+//! left after that go to the caller's tie-break (the simulator's per-seed node ranking, as the FGD
 //! artifact does). Units are the cluster's own (milli-GPUs, or MiB on a mixed fleet; one "GPU" in the
 //! terms above is the cluster's mean GPU capacity). `gpumem:ft=0:rv=0:sc=0` ranks exactly like FGD.
 //! The scorer runs the one configuration, [`Tuning::default`]; `gpumem simulate --policy gpumem:<spec>`
@@ -36,7 +40,7 @@ use super::fgd::Evaluator;
 use super::frag::{FragCache, FragModel, TypicalMix, TypicalType, frag_after};
 use super::{Candidate, Cluster, GpuMask, ModelSet, Node, Policy, Request, indices};
 
-/// The policy's knobs, for experiments. The defaults (`ft=0.001:rv=12:rx=2:sc=10:dyn=1:idle=0`, FGD's sigmoid
+/// The policy's knobs, for experiments. The defaults (`ft=0.001:rv=12:rx=2:sc=20:dyn=1:idle=0:wg=1`, FGD's sigmoid
 /// score) are the policy: what the scorer runs ([`Gpumem::new`]) and `gpumem simulate` measures as
 /// "gpumem"; only the simulator builds other tunings ([`Gpumem::with_tuning`]).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -75,6 +79,9 @@ pub struct Tuning {
     /// costs `idle x pressure x (idle share of the cluster's GPUs / idle share of the model's - 1)`
     /// points while the model has fewer idle GPUs, for its size, than the cluster (0: off).
     pub idle: f64,
+    /// Whole-GPU task types count a GPU they cannot use as a mean GPU with the same memory taken
+    /// ([`FragModel::whole_in_mean_gpus`]), not by its free memory.
+    pub whole_in_mean_gpus: bool,
 }
 
 impl Default for Tuning {
@@ -91,10 +98,11 @@ impl Default for Tuning {
             fill_tie_gpus: false,
             sigmoid: true,
             reserve: 12.0,
-            scarcity: 10.0,
+            scarcity: 20.0,
             dynamic: true,
             reserve_exp: 2.0,
             idle: 0.0,
+            whole_in_mean_gpus: true,
         }
     }
 }
@@ -183,6 +191,8 @@ struct Piece {
     taken: f64,
     /// The fill tie-breaker's term.
     fill: f64,
+    /// Free units the chosen GPUs keep: among one node's equal scores the tightest wins.
+    left: u64,
 }
 
 /// What a node's memo entry was computed from: the node's content, as the main cache's epoch names it
@@ -372,7 +382,11 @@ impl Gpumem {
             model_cap,
             pressure,
             reserve,
-            eval: Evaluator::new(FragModel::new(&mix, &cluster.models, opts.memory).fill(opts.fill)),
+            eval: Evaluator::new(
+                FragModel::new(&mix, &cluster.models, opts.memory)
+                    .fill(opts.fill)
+                    .whole_in_mean_gpus(if opts.whole_in_mean_gpus { unit as u32 } else { 0 }),
+            ),
             unit,
             opts,
             second,
@@ -531,6 +545,7 @@ impl Gpumem {
                 base: gain - o.pack * (gpu_left + 1e-3 * node_left),
                 taken: gpus_taken,
                 fill,
+                left: chosen_free - taken,
             });
         });
     }
@@ -570,6 +585,9 @@ impl Gpumem {
         }
         let node = &cluster.nodes[i];
         let pressure = self.now.get(node.model as usize);
+        // The node's best placement; among equal scores the one leaving its GPUs the least room
+        // (a small share on a T4 rather than a V100 when nothing else tells them apart).
+        let mut best: Option<(f64, u64, GpuMask)> = None;
         for k in start..start + len {
             let piece = memo.pieces[k];
             let mut score = piece.base;
@@ -594,7 +612,12 @@ impl Gpumem {
                 score -= piece.fill;
             }
             score -= self.idle_costs(node, piece.gpus);
-            Candidate::keep_best(out, i as u32, score, piece.gpus);
+            if best.is_none_or(|(s, left, _)| score > s || (score == s && piece.left < left)) {
+                best = Some((score, piece.left, piece.gpus));
+            }
+        }
+        if let Some((score, _, gpus)) = best {
+            Candidate::keep_best(out, i as u32, score, gpus);
         }
     }
 }
@@ -842,11 +865,11 @@ mod tests {
         let mut out = Vec::new();
         p.score(&c, &Request::whole(1000, 0, 1), &mut rng(), &mut out);
         let fresh = p.now[1];
-        assert!((fresh - 10.0).abs() < 1e-9, "scarcity 10 x pressure 1: {fresh}");
+        assert!((fresh - 20.0).abs() < 1e-9, "scarcity 20 x pressure 1: {fresh}");
         c.nodes[1].gpus[0].free = 0;
         p.score(&c, &Request::whole(1000, 0, 1), &mut rng(), &mut out);
-        // Cluster 3/4 free, B 1/2 free: 10 x 0.75 / 0.5.
-        assert!((p.now[1] - 15.0).abs() < 1e-9, "{}", p.now[1]);
+        // Cluster 3/4 free, B 1/2 free: 20 x 0.75 / 0.5.
+        assert!((p.now[1] - 30.0).abs() < 1e-9, "{}", p.now[1]);
         let mut fixed = Gpumem::with_tuning(
             &m,
             &c,
@@ -856,7 +879,7 @@ mod tests {
             },
         );
         fixed.score(&c, &Request::whole(1000, 0, 1), &mut rng(), &mut out);
-        assert!((fixed.now[1] - 10.0).abs() < 1e-9);
+        assert!((fixed.now[1] - 20.0).abs() < 1e-9);
     }
 
     #[test]
@@ -1176,6 +1199,52 @@ mod tests {
             Some(1),
             "the T4s are what the restricted type needs: {out:?}"
         );
+    }
+
+    #[test]
+    fn a_share_breaks_a_large_gpu_rather_than_the_t4s_restricted_pods_need() {
+        // Half the pods are shares that must run on a T4, the others whole GPUs that may run anywhere.
+        let c = t4_and_a100();
+        let only_t4 = ModelSet::NONE.with(0);
+        let mix = TypicalMix::from_requests(
+            &[
+                Request::shared(1000, 1000, 7680).with_models(only_t4),
+                Request::whole(1000, 0, 1),
+            ],
+            1.0,
+        );
+        let share = Request::shared(1000, 1000, 7680);
+        let w = winner(&mut Gpumem::new(&mix, &c), &c, &share);
+        assert_eq!(
+            w.node, 1,
+            "an A100, the T4s kept for the pods that can only use them"
+        );
+        // Counting a broken GPU by its free memory, breaking a T4 looked five times cheaper than
+        // breaking an A100 for the whole-GPU pods, and the share took a T4.
+        let paper = Tuning {
+            whole_in_mean_gpus: false,
+            ..Tuning::default()
+        };
+        assert_eq!(
+            winner(&mut Gpumem::with_tuning(&mix, &c, paper), &c, &share).node,
+            0
+        );
+    }
+
+    #[test]
+    fn among_equal_placements_on_a_node_the_tightest_gpu() {
+        // A node of two V100s and two T4s, alone in the cluster; nothing in the mix tells a V100 and
+        // a T4 apart for a 5000 MiB share: the T4 is the tighter fit, the V100s stay whole.
+        let mut c = cluster(vec![]);
+        let v100 = c.models.intern("V100").expect("intern");
+        let mut n = Node::new("mixed", v100, 32_000, 64_000, vec![Gpu::new(32_768); 2]);
+        n.gpus.extend([Gpu::new(15_360); 2]);
+        n.gpu_models = vec![v100, v100, 0, 0];
+        c.nodes.push(n);
+        let share = Request::shared(1000, 1000, 5000);
+        let mix = TypicalMix::from_requests(&[share], 1.0);
+        let w = winner(&mut Gpumem::new(&mix, &c), &c, &share);
+        assert_eq!(w.gpus, GpuMask::single(2));
     }
 
     #[test]

@@ -48,6 +48,7 @@ pub fn parse_tuning(spec: &str) -> Option<Tuning> {
             "dyn" => o.dynamic = x != 0.0,
             "rx" => o.reserve_exp = x,
             "idle" => o.idle = x,
+            "wg" => o.whole_in_mean_gpus = x != 0.0,
             _ => return None,
         }
     }
