@@ -1160,6 +1160,14 @@ mod tests {
         c
     }
 
+    /// A mix of one half-T4 share that must run on a T4 (model 0) and `wholes` whole-GPU pods that may
+    /// run anywhere.
+    fn t4_shares_and_whole_gpus(wholes: usize) -> TypicalMix {
+        let mut reqs = vec![Request::shared(1000, 1000, 7680).with_models(ModelSet::NONE.with(0))];
+        reqs.extend(std::iter::repeat_n(Request::whole(1000, 0, 1), wholes));
+        TypicalMix::from_requests(&reqs, 1.0)
+    }
+
     #[test]
     fn works_with_mixed_capacities() {
         let c = t4_and_a100();
@@ -1205,14 +1213,7 @@ mod tests {
     fn a_share_breaks_a_large_gpu_rather_than_the_t4s_restricted_pods_need() {
         // Half the pods are shares that must run on a T4, the others whole GPUs that may run anywhere.
         let c = t4_and_a100();
-        let only_t4 = ModelSet::NONE.with(0);
-        let mix = TypicalMix::from_requests(
-            &[
-                Request::shared(1000, 1000, 7680).with_models(only_t4),
-                Request::whole(1000, 0, 1),
-            ],
-            1.0,
-        );
+        let mix = t4_shares_and_whole_gpus(1);
         let share = Request::shared(1000, 1000, 7680);
         let w = winner(&mut Gpumem::new(&mix, &c), &c, &share);
         assert_eq!(
@@ -1251,15 +1252,7 @@ mod tests {
     fn scarcity_charges_per_gpu_taken_whatever_its_memory() {
         // A third of the demand must run on the T4s.
         let c = t4_and_a100();
-        let only_t4 = ModelSet::NONE.with(0);
-        let mix = TypicalMix::from_requests(
-            &[
-                Request::shared(1000, 1000, 7680).with_models(only_t4),
-                Request::whole(1000, 0, 1),
-                Request::whole(1000, 0, 1),
-            ],
-            1.0,
-        );
+        let mix = t4_shares_and_whole_gpus(2);
         let t4_score = |tuning: Tuning, req: &Request| {
             let mut p = Gpumem::with_tuning(&mix, &c, tuning);
             let mut out = Vec::new();
