@@ -159,6 +159,151 @@ async fn bind_uses_the_policy_choice_of_gpu() {
     api.assert_all_granted();
 }
 
+fn kept_names(r: &Value) -> Vec<String> {
+    r["Nodes"]["items"]
+        .as_array()
+        .expect("items")
+        .iter()
+        .map(|n| n["metadata"]["name"].as_str().expect("name").to_string())
+        .collect()
+}
+
+fn score_of(r: &Value, host: &str) -> i64 {
+    r.as_array()
+        .expect("host priorities")
+        .iter()
+        .find(|h| h["Host"] == host)
+        .and_then(|h| h["Score"].as_i64())
+        .expect("scored")
+}
+
+/// kube-scheduler ranks the next pod before the last pod's bind has arrived: the GPU `prioritize`
+/// ranked first is held for its pod, so the next pod is filtered and ranked around it (without the
+/// hold it went to the same node, and its bind was refused).
+#[tokio::test]
+async fn the_gpu_ranked_first_is_held_until_its_pods_bind() {
+    // "tight": 6000 MiB free, the best fit for 5000; "roomy": an idle GPU.
+    let nodes = [
+        node_json("tight", &[g(16384, 10384)]),
+        node_json("roomy", &[g(16384, 0)]),
+    ];
+    let pods = [
+        pod_json("p1", 5000, 0, json!({}), json!({})),
+        pod_json("p2", 5000, 0, json!({}), json!({})),
+    ];
+    let (addr, scorer, api) = setup(&nodes, &pods).await;
+    let (_, r) = post_json(addr, "/prioritize", &args_nodes(&pods[0], &nodes)).await;
+    assert!(score_of(&r, "tight") > score_of(&r, "roomy"), "{r}");
+    assert_eq!(scorer.metrics.holds.get(), 1);
+
+    let (_, r) = post_json(addr, "/filter", &args_nodes(&pods[1], &nodes)).await;
+    assert_eq!(kept_names(&r), ["roomy"], "tight's room is p1's: {r}");
+    let (_, r) = post_json(addr, "/filter", &args_nodes(&pods[0], &nodes)).await;
+    assert_eq!(
+        kept_names(&r),
+        ["tight", "roomy"],
+        "p1's own hold is not in its way: {r}"
+    );
+
+    let (_, r) = post_json(addr, "/bind", &bind_args("p1", "tight")).await;
+    assert_eq!(r["Error"], "", "{r}");
+    assert_eq!(assigned(&api, "p1").as_deref(), Some("GPU-tight-0"));
+    assert_eq!(scorer.metrics.holds.get(), 0, "the bind ends the hold");
+    assert_eq!(scorer.ledger.len(), 1, "the ledger holds the room now");
+    let (_, r) = post_json(addr, "/filter", &args_nodes(&pods[1], &nodes)).await;
+    assert_eq!(kept_names(&r), ["roomy"], "{r}");
+    api.assert_all_granted();
+}
+
+/// A hold is a guess at kube-scheduler's choice: a bind avoids held GPUs while another fits, and takes
+/// held room when nothing else on the node does (kube-scheduler chose the node; the held pod's own
+/// bind then chooses again).
+#[tokio::test]
+async fn a_bind_goes_around_holds_but_takes_held_room_when_only_that_fits() {
+    // GPU 0: 6000 MiB free (p1 is ranked onto it), GPU 1: 7000.
+    let node = node_json("n", &[g(16384, 10384), g(16384, 9384)]);
+    let pods = [
+        pod_json("p1", 5000, 0, json!({}), json!({})),
+        pod_json("p2", 5000, 0, json!({}), json!({})),
+        pod_json("p3", 5000, 0, json!({}), json!({})),
+    ];
+    let (addr, scorer, api) = setup(std::slice::from_ref(&node), &pods).await;
+    post_json(
+        addr,
+        "/prioritize",
+        &args_nodes(&pods[0], std::slice::from_ref(&node)),
+    )
+    .await;
+    let (_, r) = post_json(addr, "/bind", &bind_args("p2", "n")).await;
+    assert_eq!(r["Error"], "", "{r}");
+    assert_eq!(
+        assigned(&api, "p2").as_deref(),
+        Some("GPU-n-1"),
+        "around p1's hold"
+    );
+    assert_eq!(scorer.metrics.binds_past_holds.get(), 0);
+
+    post_json(
+        addr,
+        "/prioritize",
+        &args_nodes(&pods[0], std::slice::from_ref(&node)),
+    )
+    .await;
+    let (_, r) = post_json(addr, "/bind", &bind_args("p3", "n")).await;
+    assert_eq!(r["Error"], "", "only the held room fits p3: {r}");
+    assert_eq!(assigned(&api, "p3").as_deref(), Some("GPU-n-0"));
+    assert_eq!(scorer.metrics.binds_past_holds.get(), 1);
+    let (_, r) = post_json(addr, "/bind", &bind_args("p1", "n")).await;
+    assert!(
+        r["Error"]
+            .as_str()
+            .is_some_and(|e| e.contains("pod needs 5000 MiB")),
+        "{r}"
+    );
+    api.assert_all_granted();
+}
+
+/// One replica's binds to one node take turns on its Lease: none loses to another of the same replica,
+/// and each writes on top of the Lease the one before wrote (the Lease is read once).
+#[tokio::test]
+async fn one_replicas_binds_to_one_node_never_conflict() {
+    let node = node_json("n", &[g(16384, 0), g(16384, 0), g(16384, 0), g(16384, 0)]);
+    let names = ["p1", "p2", "p3", "p4"];
+    let pods: Vec<Value> = names
+        .iter()
+        .map(|n| pod_json(n, 12000, 0, json!({}), json!({})))
+        .collect();
+    let (addr, scorer, api) = setup(&[node], &pods).await;
+    let binds =
+        names.map(|p| tokio::spawn(async move { post_json(addr, "/bind", &bind_args(p, "n")).await }));
+    for bind in binds {
+        let (_, r) = bind.await.expect("bind");
+        assert_eq!(r["Error"], "", "{r}");
+    }
+    let mut gpus: Vec<String> = names.iter().map(|p| assigned(&api, p).expect("bound")).collect();
+    gpus.sort();
+    gpus.dedup();
+    assert_eq!(gpus.len(), 4, "a GPU each");
+    assert_eq!(scorer.metrics.booking_conflicts.get(), 0);
+    let lease_reads = api
+        .seen()
+        .iter()
+        .filter(|s| s.method == "GET" && s.path.contains("/leases/"))
+        .count();
+    assert_eq!(
+        lease_reads, 1,
+        "read once, then written on top of what was written"
+    );
+    let lease = api.lease("gpumem-system/gpumem-bookings-n").expect("Lease");
+    let booked = lease["metadata"]["annotations"]["gpumem.io/bookings"]
+        .as_str()
+        .expect("bookings");
+    for p in names {
+        assert!(booked.contains(&format!("team-a/{p}")), "{booked}");
+    }
+    api.assert_all_granted();
+}
+
 #[tokio::test]
 async fn concurrent_binds_never_double_book_a_gpu() {
     // GPU 0 has 6000 MiB free, GPU 1 only 2000: two 5000 MiB pods cannot both go to this node.

@@ -162,7 +162,9 @@ async fn class_weights_are_configurable() {
         offline_weight: 0.0,
         ..ScorerConfig::default()
     };
-    let (addr, _) = start(Scorer::new(cfg, None, None, None)).await;
+    // Each pod on a scorer of its own: a ranking holds the GPU it ranks first for its pod.
+    let (addr, _) = start(Scorer::new(cfg.clone(), None, None, None)).await;
+    let (other, _) = start(Scorer::new(cfg, None, None, None)).await;
     let nodes = [
         node_json("tight", &[g(16384, 10384)]),
         node_json("idle", &[g(16384, 0)]),
@@ -183,7 +185,7 @@ async fn class_weights_are_configurable() {
     );
     assert_eq!(
         scores(addr, &online, &nodes).await,
-        scores(addr, &offline, &nodes).await
+        scores(other, &offline, &nodes).await
     );
 }
 

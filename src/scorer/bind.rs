@@ -109,6 +109,7 @@ impl Scorer {
         );
         let result = self.bind_inner(&args).instrument(span.clone()).await;
         self.metrics.ledger.set(self.ledger.len() as i64);
+        self.metrics.holds.set(self.holds.len() as i64);
         self.observe("bind", start);
         match result {
             Ok(()) => ExtenderBindingResult::default(),
@@ -210,10 +211,14 @@ impl Scorer {
         let Some(board) = &self.board else {
             return self.reserve_with(d, node_name, &[]).await;
         };
+        let mut turn = board.turn(node_name).await;
         for attempt in 1..=bookings::ATTEMPTS {
-            let read = board.read(node_name).await.map_err(BindError::api(format!(
-                "reading the bookings of node {node_name}"
-            )))?;
+            let read = board
+                .current(node_name, &mut turn)
+                .await
+                .map_err(BindError::api(format!(
+                    "reading the bookings of node {node_name}"
+                )))?;
             // Only live bookings count, in the choice as in what is written back: one whose pod has
             // gone (a pod deleted within the TTL) must not hold room.
             let mut keep = self.live_bookings(node_name, &read.bookings, &d.key);
@@ -226,7 +231,10 @@ impl Scorer {
                 at: Timestamp::now(),
             });
             match board.write(node_name, read, &keep).await {
-                Ok(()) => return Ok(r),
+                Ok(written) => {
+                    *turn = Some(written);
+                    return Ok(r);
+                }
                 Err(e) => {
                     self.ledger.release(node_name, &r.pod);
                     match e {
@@ -291,8 +299,9 @@ impl Scorer {
     /// ends by itself ([`bookings::SETTLE`], or the TTL without a pod cache).
     async fn unbook(&self, node: &str, pod: &str) {
         let Some(board) = &self.board else { return };
+        let mut turn = board.turn(node).await;
         for _ in 0..bookings::ATTEMPTS {
-            let read = match board.read(node).await {
+            let read = match board.current(node, &mut turn).await {
                 Ok(read) => read,
                 Err(e) => {
                     tracing::warn!(error = %e, "cannot read the node's bookings to drop this pod's");
@@ -300,11 +309,15 @@ impl Scorer {
                 }
             };
             if !read.bookings.iter().any(|b| b.pod == pod) {
+                *turn = Some(read);
                 return;
             }
             let keep: Vec<Booking> = read.bookings.iter().filter(|b| b.pod != pod).cloned().collect();
             match board.write(node, read, &keep).await {
-                Ok(()) => return,
+                Ok(written) => {
+                    *turn = Some(written);
+                    return;
+                }
                 Err(WriteError::Conflict) => continue,
                 Err(WriteError::Api(e)) => {
                     tracing::warn!(error = %e, "cannot drop this pod's booking; it ends by itself");
@@ -365,7 +378,7 @@ impl Scorer {
         }
         let (config, cache) = (&self.config, &self.policy_cache);
         let mix = self.workload.current();
-        let r = self.ledger.reserve(&mut node, |n| {
+        let choose = |n: &NodeSnapshot| {
             decide::check(n, d)
                 .map_err(|r| BindError::DoesNotFit(format!("node {}: {}", n.name, r.reason)))?;
             // The view prioritize used: the GPU(s) its score was for.
@@ -379,16 +392,22 @@ impl Scorer {
             if gpus.is_empty() {
                 return Err(BindError::DoesNotFit(format!("node {}: no GPU chosen", n.name)));
             }
-            Ok(Reservation {
-                pod: d.key.clone(),
-                gpus: gpus.iter().map(|p| (p, n.gpus()[p].uuid.clone())).collect(),
-                mib: match d.demand {
-                    state::Demand::Memory { .. } => Some(d.memory_mib(n.unit_mib)),
-                    state::Demand::Whole { .. } => None,
-                },
-                at: Instant::now(),
+            Ok(Reservation::of(d, n, gpus))
+        };
+        // Other pods' holds first (the GPUs their binds, about to come, were ranked for); where only
+        // held room fits, the bind takes it: kube-scheduler chose this node, the holds only guessed.
+        let mut past_holds = node.clone();
+        let r = if self.holds.apply(&mut past_holds, &d.uid) == 0 {
+            self.ledger.reserve(&mut node, choose)
+        } else {
+            self.ledger.reserve(&mut past_holds, choose).or_else(|_| {
+                let r = self.ledger.reserve(&mut node, choose);
+                if r.is_ok() {
+                    self.metrics.binds_past_holds.inc();
+                }
+                r
             })
-        });
+        };
         // Decided: the pod counts in the learned mix from the next decision on.
         self.learn(d, d.memory_mib(node.unit_mib));
         if let Ok(r) = &r {
@@ -406,6 +425,8 @@ impl Scorer {
     async fn bind_inner(&self, args: &ExtenderBindingArgs) -> Result<(), BindError> {
         let client = self.client.clone().ok_or(BindError::NoClient)?;
         let namespace = check_binding_args(args).map_err(BindError::BadRequest)?;
+        // The pod's own hold ends here: this bind is kube-scheduler's choice, wherever it was held.
+        self.holds.release(&args.pod_uid);
         // kube-scheduler starts the next pod's cycle while this bind is on its way: reserving before
         // reading the pod from the API server keeps the next `filter` from offering the same room. The
         // request is the one `filter` read from this pod (same UID; a pod's requests do not change).

@@ -8,13 +8,17 @@
 //! - a bind reads the node's Lease, chooses its GPUs with the other replicas' bookings subtracted, and
 //!   writes its own booking with the resourceVersion it read, before the Binding;
 //! - when two replicas book on one node at once, one write wins; the other gets 409 Conflict and chooses
-//!   again against what won (or answers that the node has no room, and kube-scheduler tries again).
+//!   again against what won (or answers that the node has no room, and kube-scheduler tries again);
+//! - one replica's binds to one node take turns ([`Board::turn`]): they never conflict with each
+//!   other, and each writes on top of the Lease the previous one wrote, without reading it again.
 //!
 //! A booking is dropped by the next write to its node's Lease once the usage annotation shows its pod,
 //! once the writer's pod cache has seen its pod (that UID) deleted, once it is older than the ledger's
 //! TTL, or once it is [`SETTLE`] old and the writer's pod cache has no such pod on the node (its Binding
 //! failed, or the pod went while the watch was away).
 
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use k8s_openapi::api::coordination::v1::Lease;
@@ -108,7 +112,7 @@ pub fn kept(
 }
 
 /// A node's Lease as read: the object (absent: not created yet) and its bookings.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 pub struct Read {
     lease: Option<Lease>,
     pub bookings: Vec<Booking>,
@@ -127,12 +131,38 @@ pub enum WriteError {
 /// The scorer's Leases of bookings, in its namespace.
 pub struct Board {
     api: Api<Lease>,
+    /// Per node, this replica's turn to write the node's Lease and the Lease as its last write left it.
+    turns: Mutex<HashMap<String, Arc<tokio::sync::Mutex<Option<Read>>>>>,
 }
+
+/// This replica's turn on one node's Lease ([`Board::turn`]); it holds the Lease as this replica last
+/// wrote it, if no conflict or error has spoiled that since.
+pub type Turn = tokio::sync::OwnedMutexGuard<Option<Read>>;
 
 impl Board {
     pub fn new(client: kube::Client, namespace: &str) -> Board {
         Board {
             api: Api::namespaced(client, namespace),
+            turns: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// Waits for this replica's turn to book on `node`. A replica's binds to one node write its Lease
+    /// one after another, so they never conflict with each other (only another replica's write can
+    /// beat one), and each starts from the Lease the previous one wrote, without reading it again.
+    pub async fn turn(&self, node: &str) -> Turn {
+        let slot = {
+            let mut turns = self.turns.lock().unwrap_or_else(|e| e.into_inner());
+            turns.entry(node.to_string()).or_default().clone()
+        };
+        slot.lock_owned().await
+    }
+
+    /// The Lease as `turn` holds it, else as read from the API server.
+    pub async fn current(&self, node: &str, turn: &mut Turn) -> Result<Read, kube::Error> {
+        match turn.take() {
+            Some(read) => Ok(read),
+            None => self.read(node).await,
         }
     }
 
@@ -159,7 +189,8 @@ impl Board {
     }
 
     /// Writes `bookings` as `node`'s, on top of `read` only: anything written since is a conflict.
-    pub async fn write(&self, node: &str, read: Read, bookings: &[Booking]) -> Result<(), WriteError> {
+    /// Returns the Lease as written.
+    pub async fn write(&self, node: &str, read: Read, bookings: &[Booking]) -> Result<Read, WriteError> {
         let text = serde_json::to_string(bookings).unwrap_or_else(|_| "[]".into());
         let result = match read.lease {
             Some(mut lease) => {
@@ -170,10 +201,7 @@ impl Board {
                     .insert(BOOKINGS_ANNOTATION.into(), text);
                 // The object carries the resourceVersion read: the API server refuses a stale one.
                 let name = lease.metadata.name.clone().unwrap_or_else(|| lease_name(node));
-                self.api
-                    .replace(&name, &PostParams::default(), &lease)
-                    .await
-                    .map(drop)
+                self.api.replace(&name, &PostParams::default(), &lease).await
             }
             None => {
                 let lease = Lease {
@@ -194,13 +222,17 @@ impl Board {
                     },
                     spec: None,
                 };
-                self.api.create(&PostParams::default(), &lease).await.map(drop)
+                self.api.create(&PostParams::default(), &lease).await
             }
         };
         match result {
-            Ok(()) => Ok(()),
-            // Update with a stale resourceVersion, or a create another replica made first.
-            Err(kube::Error::Api(s)) if s.code == 409 => Err(WriteError::Conflict),
+            Ok(lease) => Ok(Read {
+                lease: Some(lease),
+                bookings: bookings.to_vec(),
+            }),
+            // Update with a stale resourceVersion, or a create another replica made first; or the
+            // Lease deleted since it was read (read it again).
+            Err(kube::Error::Api(s)) if s.code == 409 || s.code == 404 => Err(WriteError::Conflict),
             Err(e) => Err(WriteError::Api(e)),
         }
     }

@@ -2,6 +2,7 @@
 
 use super::decide::Rejection;
 use super::extender::{ExtenderArgs, ExtenderFilterResult, HostPriorities, NodeList};
+use super::ledger::Reservation;
 use super::metrics::ReasonLabel;
 use super::state::{NodeSnapshot, PodDemand};
 use super::{BadRequest, KEPT_CALLS, KEPT_FOR, Kept, Scorer, decide, extender, pod_uid};
@@ -17,8 +18,10 @@ impl Scorer {
         let states = self.candidates(&args)?;
         let mut result = ExtenderFilterResult::default();
         let mut keep = vec![true; states.len()];
-        // With a shortlist: the scores `prioritize` is to answer, by position in `states`.
+        // With a shortlist: the scores `prioritize` is to answer, by position in `states`, and the
+        // hold on the node ranked first.
         let mut scores: Option<Vec<i64>> = None;
+        let mut best = None;
         let mut reject = |i: usize, r: Rejection, result: &mut ExtenderFilterResult| {
             keep[i] = false;
             self.metrics
@@ -69,7 +72,9 @@ impl Scorer {
                 }
                 let shortlist = self.config.filter_shortlist;
                 if shortlist > 0 && keep.iter().filter(|k| **k).count() > shortlist {
-                    scores = Some(self.shortlist(&states, &d, shortlist, &mut keep));
+                    let (ranked, first) = self.shortlist(&states, &d, shortlist, &mut keep);
+                    scores = Some(ranked);
+                    best = first;
                 }
             }
         }
@@ -113,6 +118,7 @@ impl Scorer {
                     names: names.clone(),
                     states: states.collect(),
                     scores,
+                    best,
                     at: Instant::now(),
                 };
                 let mut all = self.kept.lock().unwrap_or_else(|e| e.into_inner());
@@ -137,14 +143,15 @@ impl Scorer {
     /// `percentageOfNodesToScore`). Each point of the extender's 0..10 is worth 50 of its node score
     /// (weight 5), so a node ranked well below the best rarely wins there: CPU spent for little. Its
     /// own preferences (affinity, spreading) still choose among the shortlist. In the `Nodes` form
-    /// (no [`Kept`]) `prioritize` ranks the shortlist again, among itself.
+    /// (no [`Kept`]) `prioritize` ranks the shortlist again, among itself. Also returns what the pod
+    /// would hold on the node ranked first.
     fn shortlist(
         &self,
         states: &[Arc<NodeSnapshot>],
         demand: &PodDemand,
         shortlist: usize,
         keep: &mut [bool],
-    ) -> Vec<i64> {
+    ) -> (Vec<i64>, Option<(String, Reservation)>) {
         let mix = self.workload.current();
         let ranked = decide::prioritize(states, demand, &self.config, &self.policy_cache, &mix);
         let mut order: Vec<(usize, f64)> = ranked
@@ -158,10 +165,15 @@ impl Scorer {
         for (i, _) in order.iter().skip(shortlist) {
             keep[*i] = false;
         }
-        ranked
+        let best = order.first().and_then(|&(i, _)| {
+            let gpus = ranked[i].as_ref()?.gpus;
+            Some((states[i].name.clone(), Reservation::of(demand, &states[i], gpus)))
+        });
+        let scores = ranked
             .iter()
             .map(|r| r.as_ref().map_or(extender::MIN_EXTENDER_PRIORITY, |r| r.score))
-            .collect()
+            .collect();
+        (scores, best)
     }
 
     /// What the last `filter` of this pod kept, if `args` lists exactly those names (see [`Kept`]).
@@ -179,22 +191,36 @@ impl Scorer {
         let start = Instant::now();
         let _span = self.span("prioritize", args.pod.as_ref()).entered();
         let demand = self.demand(args.pod.as_ref())?;
-        let (states, shortlisted) = match self.kept_by_filter(&args) {
-            Some(kept) => (kept.states, kept.scores),
-            None => (self.candidates(&args)?, None),
+        let (states, shortlisted, mut best) = match self.kept_by_filter(&args) {
+            Some(kept) => (kept.states, kept.scores, kept.best),
+            None => (self.candidates(&args)?, None, None),
         };
         let mut scores: Vec<i64> = vec![extender::MIN_EXTENDER_PRIORITY; states.len()];
         if let Some(shortlisted) = shortlisted {
             // Ranked by `filter` among all its candidates, not only among the shortlist.
             scores = shortlisted;
-        } else if let Ok(Some(d)) = demand {
+        } else if let Ok(Some(d)) = &demand {
             let mix = self.workload.current();
-            let ranked = decide::prioritize(&states, &d, &self.config, &self.policy_cache, &mix);
-            for (score, ranked) in scores.iter_mut().zip(ranked) {
+            let ranked = decide::prioritize(&states, d, &self.config, &self.policy_cache, &mix);
+            // The first of the best blends, as `filter` shortlists.
+            let mut first: Option<(usize, f64)> = None;
+            for (i, (score, ranked)) in scores.iter_mut().zip(&ranked).enumerate() {
                 if let Some(r) = ranked {
                     *score = r.score;
+                    if first.is_none_or(|(_, raw)| r.raw > raw) {
+                        first = Some((i, r.raw));
+                    }
                 }
             }
+            best = first.and_then(|(i, _)| {
+                let gpus = ranked[i].as_ref()?.gpus;
+                Some((states[i].name.clone(), Reservation::of(d, &states[i], gpus)))
+            });
+        }
+        // kube-scheduler binds the pod next, most likely to this node: the next pods rank around it.
+        if let (Some((node, r)), Some(uid)) = (best, pod_uid(args.pod.as_ref())) {
+            self.holds.hold(&uid, &node, r);
+            self.metrics.holds.set(self.holds.len() as i64);
         }
         // Named as `candidates` chose the states: from `Nodes` when given (even if `NodeNames` is
         // too), else the request's own names, in the same order.

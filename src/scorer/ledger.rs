@@ -13,7 +13,8 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use super::state::{GpuSnapshot, NodeSnapshot};
+use super::state::{Demand, GpuSnapshot, NodeSnapshot, PodDemand};
+use crate::alloc::GpuMask;
 
 /// One bind in flight.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -25,6 +26,24 @@ pub struct Reservation {
     /// MiB taken on each GPU; `None` = whole GPUs.
     pub mib: Option<u64>,
     pub at: Instant,
+}
+
+impl Reservation {
+    /// `d` on the GPUs at positions `gpus` of `n` (positions `n` lacks are skipped).
+    pub fn of(d: &PodDemand, n: &NodeSnapshot, gpus: GpuMask) -> Reservation {
+        Reservation {
+            pod: d.key.clone(),
+            gpus: gpus
+                .iter()
+                .filter_map(|p| n.gpus().get(p).map(|g| (p, g.uuid.clone())))
+                .collect(),
+            mib: match d.demand {
+                Demand::Memory { .. } => Some(d.memory_mib(n.unit_mib)),
+                Demand::Whole { .. } => None,
+            },
+            at: Instant::now(),
+        }
+    }
 }
 
 /// Reservations per node.

@@ -11,7 +11,8 @@
 //! `gpumem_scorer_verb_requests_total{protocol}` (extender calls by HTTP version: kube-scheduler
 //! should speak HTTP/2, see [`crate::http`]),
 //! `gpumem_scorer_bind_failures_total{kind}` (see [`super::bind::BindError::kind`]),
-//! `gpumem_scorer_ledger_reservations`, and `gpumem_scorer_mix_pods_seen` /
+//! `gpumem_scorer_ledger_reservations`, `gpumem_scorer_holds` and
+//! `gpumem_scorer_binds_past_holds_total` (see [`super::holds`]), and `gpumem_scorer_mix_pods_seen` /
 //! `gpumem_scorer_mix_generation` (the pods the typical mix was learned from, and how often it moved:
 //! generation 0 is the configured `typicalMix`), `gpumem_scorer_dra_claims_placed_total` and
 //! `gpumem_scorer_dra_leading`, `gpumem_scorer_dra_preempted_total` (placement on the DRA path: the placer, `src/placer/`). The three cluster gauges are computed when scraped (see
@@ -72,6 +73,8 @@ pub struct Metrics {
     pub bind_failures: Family<KindLabel, Counter>,
     pub booking_conflicts: Counter,
     pub ledger: Gauge,
+    pub holds: Gauge,
+    pub binds_past_holds: Counter,
     pub cluster_fragmentation: Ratio,
     pub node_fragmentation: Family<NodeLabel, Ratio>,
     pub cluster_allocated: Ratio,
@@ -104,6 +107,8 @@ impl Metrics {
         let bind_failures = Family::<KindLabel, Counter>::default();
         let booking_conflicts = Counter::default();
         let ledger = Gauge::default();
+        let holds = Gauge::default();
+        let binds_past_holds = Counter::default();
         let cluster_fragmentation = Ratio::default();
         let node_fragmentation = Family::<NodeLabel, Ratio>::default();
         let cluster_allocated = Ratio::default();
@@ -186,6 +191,16 @@ impl Metrics {
             ledger.clone(),
         );
         registry.register(
+            "gpumem_scorer_holds",
+            "GPUs held for pods ranked by prioritize whose bind has not arrived yet",
+            holds.clone(),
+        );
+        registry.register(
+            "gpumem_scorer_binds_past_holds",
+            "Binds that found room only under other pods' holds and took it (a hold guessed another node)",
+            binds_past_holds.clone(),
+        );
+        registry.register(
             "gpumem_cluster_fragmentation_ratio",
             "Share of the idle GPU memory (healthy GPUs) the typical task mix cannot use, over the nodes the scorer knows",
             cluster_fragmentation.clone(),
@@ -208,6 +223,8 @@ impl Metrics {
             protocols,
             bind_failures,
             booking_conflicts,
+            holds,
+            binds_past_holds,
             ledger,
             cluster_fragmentation,
             node_fragmentation,

@@ -9,6 +9,7 @@
 //! - [`decide`]: filter and ranking, pure, through the shared placement policy ([`crate::alloc`]);
 //! - `filter`, [`bind`], `preempt`: the verbs (each in a tracing span naming the pod);
 //! - [`ledger`]: binds in flight, so that concurrent decisions never double-book a GPU;
+//! - [`holds`]: GPUs ranked first for a pod until its bind comes, so the next pods rank around them;
 //! - [`bookings`]: binds in flight that every replica sees, so that replicas never double-book one;
 //! - [`victims`]: GPU-aware victim selection, pure;
 //! - [`workload`]: the typical mix learned from the pods the scorer ranks;
@@ -24,6 +25,7 @@ pub mod config;
 pub mod decide;
 pub mod extender;
 mod filter;
+pub mod holds;
 pub mod ledger;
 pub mod metrics;
 pub mod pods;
@@ -58,6 +60,8 @@ pub struct BadRequest(pub String);
 pub struct Scorer {
     pub config: ScorerConfig,
     pub ledger: Ledger,
+    /// GPUs `prioritize` ranked first, until each pod's bind.
+    holds: holds::GpuHolds,
     pub metrics: Metrics,
     nodes: Option<Arc<NodeCache>>,
     pods: Option<Arc<PodCache>>,
@@ -99,6 +103,8 @@ struct Kept {
     states: Vec<Arc<NodeSnapshot>>,
     /// Their scores, where `filter` ranked the candidates to shortlist them.
     scores: Option<Vec<i64>>,
+    /// What the pod would hold on the node ranked first, where `filter` ranked them.
+    best: Option<(String, ledger::Reservation)>,
     at: Instant,
 }
 
@@ -127,6 +133,7 @@ impl Scorer {
         Scorer {
             board,
             ledger: Ledger::new(Duration::from_secs(config.ledger_ttl_seconds)),
+            holds: holds::GpuHolds::default(),
             config,
             metrics: Metrics::new(),
             nodes,
@@ -159,6 +166,7 @@ impl Scorer {
             pods.on_delete(move |pod| {
                 if let Some(scorer) = scorer.upgrade() {
                     scorer.ledger.release(&pod.node, &pod.key);
+                    scorer.holds.release(&pod.uid);
                 }
             });
         }
@@ -292,6 +300,9 @@ impl Scorer {
             return Err(BadRequest("ExtenderArgs has neither Nodes nor NodeNames".into()));
         };
         self.ledger.apply_arcs(&mut states);
+        // Other pods' holds: GPUs ranked first for pods whose binds are on their way.
+        let uid = pod_uid(args.pod.as_ref()).unwrap_or_default();
+        self.holds.apply_arcs(&mut states, &uid);
         // Also the other replicas' binds that the annotation does not show yet, as bind counts them:
         // without them filter passes a node whose room another replica has just taken, and
         // kube-scheduler's bind fails there, again for each pod, until the agent's next report.
