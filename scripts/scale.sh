@@ -2,7 +2,9 @@
 # Scheduling at scale through the REAL kube-scheduler (the kit in ../shared/k8s, Kubernetes 1.24, or
 # 1.36 with GPUMEM_SCALE_K8S=1.36): API-only GPU nodes carrying what the agent publishes, pods with the
 # openb trace's GPU sizes, once per mode: `extender` (the shipped default-scheduler config, the scorer as
-# its service account over TLS, as scripts/e2e.sh sets them up), `alone` (kube-scheduler alone), and on
+# its service account over TLS, as scripts/e2e.sh sets them up), `alone` (kube-scheduler alone),
+# `ceiling` (kube-scheduler alone on the same pods without their GPU asks: what this machine's control
+# plane binds, the ceiling the other modes are a share of), and on
 # 1.36 the DRA path: `dra-alone` (a ResourceSlice per node, pods with claims, kube-scheduler's own
 # allocator) and `dra-gpumem` (the same with gpumem's placement: the admission policy of
 # components/dra-placement and the scorer's `dra:` configuration). gpumem-scale (scale/)
@@ -15,7 +17,7 @@
 #   GPUMEM_K8S_KIT          the kit (../shared/k8s)
 #   K8S_STATE               the kit's state dir (/tmp/gpumem-scale)
 #   GPUMEM_SCALE_NODES      node counts, space-separated ("1000"; e.g. "1000 500")
-#   GPUMEM_SCALE_MODES      "extender alone" (also: dra-alone dra-gpumem, on 1.36)
+#   GPUMEM_SCALE_MODES      "extender alone" (also: ceiling; dra-alone dra-gpumem, on 1.36)
 #   GPUMEM_SCALE_K8S        the kit's Kubernetes: 1.24 or 1.36 (1.24)
 #   GPUMEM_SCALE_SATURATE   saturation phase: trace pods offered, past those that wait, until their GPU
 #                           demand reaches this % of the GPU memory (whole GPUs at the mean GPU's memory);
@@ -53,7 +55,7 @@ DRA_CONFIG=${GPUMEM_SCALE_DRA_CONFIG:-}
 export K8S_VERSION=${GPUMEM_SCALE_K8S:-1.24}
 for m in $MODES; do
   case "$m" in
-    extender | alone) ;;
+    extender | alone | ceiling) ;;
     dra-alone | dra-gpumem)
       [ "$K8S_VERSION" != 1.24 ] || {
         echo "error: mode $m needs Kubernetes 1.36 (GPUMEM_SCALE_K8S=1.36)" >&2
@@ -61,7 +63,7 @@ for m in $MODES; do
       }
       ;;
     *)
-      echo "error: unknown mode $m (extender, alone, dra-alone, dra-gpumem)" >&2
+      echo "error: unknown mode $m (extender, alone, ceiling, dra-alone, dra-gpumem)" >&2
       exit 2
       ;;
   esac

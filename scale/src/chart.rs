@@ -208,8 +208,8 @@ fn process<'a>(p: Option<&'a Value>, name: &str) -> Option<&'a Value> {
 /// One markdown row per results directory.
 pub fn table_rows(summaries: &[Value]) -> Vec<String> {
     let mut rows = vec![
-        "| nodes | mode | steady: created/s, bound/s | steady p50 / p95 / p99 (ms) | share / whole-1 / multi-GPU p99 (ms) | burst bound/s | burst p50 / p99 (ms) | placed (steady, burst) | misfits (burst) | CPU % of a core in the burst: apiserver, etcd, scheduler, scorer | scorer peak RSS (fill) | claims placed by gpumem (steady, burst) |".to_string(),
-        "|---|---|---|---|---|---|---|---|---|---|---|---|".to_string(),
+        "| nodes | mode | steady: created/s, bound/s | steady p50 / p95 / p99 (ms) | share / whole-1 / multi-GPU p99 (ms) | burst bound/s | burst p50 / p99 (ms) | placed (steady, burst) | misfits (burst) | CPU % of a core in the burst: apiserver, etcd, scheduler, scorer | scorer peak RSS (fill) | claims placed by gpumem (steady, burst) | burst bound/s, share of the ceiling | binds the scorer refused |".to_string(),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|".to_string(),
     ];
     for s in summaries {
         let steady = phase(s, "steady");
@@ -232,13 +232,29 @@ pub fn table_rows(summaries: &[Value]) -> Vec<String> {
                 .and_then(Value::as_f64)
                 .map_or("-".to_string(), |x| format!("{:.1}%", x * 100.0))
         };
+        // The same node count's ceiling run, if among the summaries.
+        let ceiling = summaries
+            .iter()
+            .find(|c| c["mode"] == "ceiling" && c["nodes"] == s["nodes"])
+            .and_then(|c| get(phase(c, "burst"), "pods_per_s").as_f64());
+        let of_ceiling = match (get(burst, "pods_per_s").as_f64(), ceiling) {
+            (Some(bound), Some(ceiling)) if ceiling > 0.0 => format!("{:.0}%", 100.0 * bound / ceiling),
+            _ => "-".to_string(),
+        };
+        let refused = match (
+            s["scorer_binds"]["refused"].as_u64(),
+            s["scorer_binds"]["binds"].as_u64(),
+        ) {
+            (Some(r), Some(b)) if b > 0 => format!("{r} of {b} ({:.1}%)", 100.0 * r as f64 / b as f64),
+            _ => "-".to_string(),
+        };
         // Runs before the mix existed have no `mix`: the trace's.
         let mode = match s["mix"].as_str() {
             Some(mix) if mix != "trace" => format!("{} ({mix})", s["mode"].as_str().unwrap_or("?")),
             _ => s["mode"].as_str().unwrap_or("?").to_string(),
         };
         rows.push(format!(
-            "| {} | {} | {} / {} | {} / {} / {} | {} / {} / {} | {} | {} / {} | {}%, {}% | {} | {}, {}, {}, {} | {} | {}, {} |",
+            "| {} | {} | {} / {} | {} / {} / {} | {} / {} / {} | {} | {} / {} | {}%, {}% | {} | {}, {}, {}, {} | {} | {}, {} | {} | {} |",
             s["nodes"],
             mode,
             num(&get(steady, "created_per_s"), 0),
@@ -262,17 +278,44 @@ pub fn table_rows(summaries: &[Value]) -> Vec<String> {
             rss,
             by_gpumem(steady),
             by_gpumem(burst),
+            of_ceiling,
+            refused,
         ));
     }
     rows
 }
 
+/// The binds a scorer answered and refused, from its metrics (`gpumem_scorer_bind_failures_total` of
+/// every kind, and the bind calls it timed).
+pub fn scorer_binds(metrics: &str) -> Option<(u64, u64)> {
+    let value = |line: &str| line.rsplit(' ').next()?.parse::<f64>().ok();
+    let mut refused = 0.0;
+    let mut binds = None;
+    for line in metrics.lines() {
+        if line.starts_with("gpumem_scorer_bind_failures_total{") {
+            refused += value(line)?;
+        } else if line.starts_with("gpumem_scorer_request_duration_seconds_count{")
+            && line.contains(r#"verb="bind""#)
+        {
+            binds = value(line);
+        }
+    }
+    Some((refused as u64, binds? as u64))
+}
+
 pub fn table(args: &TableArgs) -> anyhow::Result<()> {
-    let summaries = args
-        .dirs
-        .iter()
-        .map(|d| read_summary(d))
-        .collect::<anyhow::Result<Vec<_>>>()?;
+    let mut summaries = Vec::new();
+    for dir in &args.dirs {
+        let mut s = read_summary(dir)?;
+        // scripts/scale.sh keeps the scorer's metrics beside the results of the runs with one.
+        if let Some((refused, binds)) = std::fs::read_to_string(dir.join("scorer-metrics.txt"))
+            .ok()
+            .and_then(|m| scorer_binds(&m))
+        {
+            s["scorer_binds"] = serde_json::json!({"refused": refused, "binds": binds});
+        }
+        summaries.push(s);
+    }
     for row in table_rows(&summaries) {
         println!("{row}");
     }
@@ -312,9 +355,43 @@ mod tests {
         assert_eq!(rows.len(), 3);
         assert!(rows[2].starts_with("| 1000 | alone | 100 / 48 | 12 / 40 / 90 | 80 / - / - | 70 | 100 / 900 | 100.0%, 50.0% | 12 |"), "{}", rows[2]);
         assert!(rows[2].contains("-, -, 95, -"), "{}", rows[2]);
-        assert!(rows[2].ends_with("| -, - |"), "no claims read: {}", rows[2]);
+        assert!(
+            rows[2].ends_with("| -, - | - | - |"),
+            "no claims read, no ceiling run, no scorer: {}",
+            rows[2]
+        );
         assert_eq!(rows[0].matches('|').count(), rows[2].matches('|').count());
         assert_eq!(rows[0].matches('|').count(), rows[1].matches('|').count());
+    }
+
+    #[test]
+    fn each_row_is_a_share_of_the_ceiling_of_its_node_count() {
+        let run = |nodes: u64, mode: &str, burst: f64| serde_json::json!({"nodes": nodes, "mode": mode, "phases": [{"phase": "burst", "pods_per_s": burst}]});
+        let mut extender = run(1000, "extender", 180.0);
+        extender["scorer_binds"] = serde_json::json!({"refused": 3, "binds": 1000});
+        let rows = table_rows(&[run(1000, "ceiling", 200.0), extender, run(200, "alone", 100.0)]);
+        assert!(rows[2].ends_with("| 100% | - |"), "{}", rows[2]);
+        assert!(rows[3].ends_with("| 90% | 3 of 1000 (0.3%) |"), "{}", rows[3]);
+        assert!(
+            rows[4].ends_with("| - | - |"),
+            "no ceiling at 200 nodes: {}",
+            rows[4]
+        );
+    }
+
+    #[test]
+    fn the_scorers_binds_and_refusals_are_read_from_its_metrics() {
+        let metrics = "# HELP x\n\
+            gpumem_scorer_request_duration_seconds_count{verb=\"filter\"} 900\n\
+            gpumem_scorer_request_duration_seconds_count{verb=\"bind\"} 1200\n\
+            gpumem_scorer_bind_failures_total{kind=\"does_not_fit\"} 7\n\
+            gpumem_scorer_bind_failures_total{kind=\"contended\"} 2\n";
+        assert_eq!(scorer_binds(metrics), Some((9, 1200)));
+        assert_eq!(
+            scorer_binds("gpumem_scorer_errors_total 1\n"),
+            None,
+            "no bind timed"
+        );
     }
 
     #[test]
@@ -328,7 +405,7 @@ mod tests {
             "{}",
             rows[2]
         );
-        assert!(rows[2].ends_with("| 99.8%, 100.0% |"), "{}", rows[2]);
+        assert!(rows[2].contains("| 99.8%, 100.0% |"), "{}", rows[2]);
         let trace = serde_json::json!({"nodes": 10, "mode": "extender", "mix": "trace", "phases": []});
         assert!(table_rows(&[trace])[2].starts_with("| 10 | extender |"));
     }

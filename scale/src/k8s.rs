@@ -412,6 +412,15 @@ pub fn pod(name: &str, run: &str, phase: &str, size: Size, shape: Shape) -> anyh
     .context("building the Pod object")
 }
 
+/// `pod` without its GPU asks: the same selectors, tolerations, CPU and memory (the ceiling mode).
+pub fn without_gpu_asks(mut pod: Pod) -> Pod {
+    let containers = pod.spec.iter_mut().flat_map(|s| s.containers.iter_mut());
+    for resources in containers.filter_map(|c| c.resources.as_mut()) {
+        resources.limits = None;
+    }
+    pod
+}
+
 /// Where a fault-phase pod may run: the scale nodes, and the nodes with a real kubelet (`real`).
 fn fault_placement(real: &[String]) -> serde_json::Value {
     let mut terms = vec![json!({"matchExpressions": [
@@ -935,6 +944,31 @@ mod tests {
         assert_eq!(spec.tolerations.unwrap()[0].key.as_deref(), Some(SCALE_KEY));
         let p = pod("p2", "run", "burst", Size::Whole { count: 8 }, Shape::default()).unwrap();
         assert_eq!(p.metadata.labels.unwrap()["gpumem.io/scale-kind"], "multi-gpu");
+    }
+
+    #[test]
+    fn ceiling_pods_keep_everything_but_their_gpu_asks() {
+        let shaped = Shape {
+            zone: Some("zone-a"),
+            model: Some(mix::Model::Large),
+            tolerate_gpu: true,
+            tolerate_reserved: false,
+        };
+        let full = pod("p1", "run", "burst", Size::Share { mib: 7537 }, shaped).unwrap();
+        let bare = without_gpu_asks(full.clone());
+        let (full, bare) = (full.spec.unwrap(), bare.spec.unwrap());
+        let resources = bare.containers[0].resources.as_ref().unwrap();
+        assert!(resources.limits.is_none(), "no GPU ask");
+        assert_eq!(
+            resources.requests,
+            full.containers[0].resources.as_ref().unwrap().requests
+        );
+        assert!(resources.requests.as_ref().is_some_and(|r| r.contains_key("cpu")));
+        assert_eq!(bare.node_selector, full.node_selector);
+        assert!(bare.affinity.is_some(), "the 40Gi+ choice is node affinity");
+        assert_eq!(bare.affinity, full.affinity);
+        assert_eq!(bare.tolerations, full.tolerations);
+        assert!(bare.node_selector.unwrap().contains_key(mix::ZONE_LABEL));
     }
 
     fn shape(zone: Option<&'static str>, model: Option<mix::Model>, reserved: bool) -> Shape {

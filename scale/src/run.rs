@@ -38,6 +38,10 @@ pub enum Mode {
     Extender,
     /// kube-scheduler alone.
     Alone,
+    /// kube-scheduler alone on the same pods without their GPU asks (the same selectors, taints, CPU
+    /// and memory): the pods/s this machine's control plane binds, the ceiling every GPU path is
+    /// measured against. No fill or saturation phase (nothing fills up).
+    Ceiling,
     /// The DRA path (Kubernetes 1.34+): ResourceSlices, pods with claims, kube-scheduler's own
     /// allocator (first fit).
     DraAlone,
@@ -50,6 +54,7 @@ impl Mode {
         match self {
             Mode::Extender => "extender",
             Mode::Alone => "alone",
+            Mode::Ceiling => "ceiling",
             Mode::DraAlone => "dra-alone",
             Mode::DraGpumem => "dra-gpumem",
         }
@@ -58,6 +63,11 @@ impl Mode {
     /// Whether the nodes serve their GPUs through DRA.
     pub fn dra(self) -> bool {
         matches!(self, Mode::DraAlone | Mode::DraGpumem)
+    }
+
+    /// Whether the pods ask for GPUs at all.
+    pub fn gpu_asks(self) -> bool {
+        self != Mode::Ceiling
     }
 }
 
@@ -189,6 +199,8 @@ struct World {
     silenced: Arc<Mutex<HashSet<String>>>,
     /// The nodes serve DRA: there is no agent to play (the claims carry the allocation).
     dra: bool,
+    /// The pods ask for GPUs (not in the ceiling mode: no agent to play either).
+    gpu_asks: bool,
     /// The mix, and the seed its pod shapes are drawn from.
     mix: Mix,
     seed: u64,
@@ -231,6 +243,7 @@ impl World {
             schedulers,
             silenced: Arc::new(Mutex::new(HashSet::new())),
             dra,
+            gpu_asks: true,
             mix: Mix::Trace,
             seed: 0,
             meter: Mutex::new(None),
@@ -241,6 +254,12 @@ impl World {
     fn with_mix(mut self, mix: Mix, seed: u64) -> World {
         self.mix = mix;
         self.seed = seed;
+        self
+    }
+
+    /// Pods without their GPU asks ([`Mode::Ceiling`]).
+    fn without_gpu_asks(mut self) -> World {
+        self.gpu_asks = false;
         self
     }
 
@@ -293,7 +312,7 @@ impl World {
                 .and_then(|a| a.get(ASSIGNED_GPUS_ANNOTATION))
                 .map(String::as_str);
             let mut books = lock(&self.books);
-            if let Some(book) = books.get_mut(&node).filter(|_| !self.dra) {
+            if let Some(book) = books.get_mut(&node).filter(|_| !self.dra && self.gpu_asks) {
                 let outcome = book.bind(&key, rec.size, assigned);
                 if matches!(outcome, Outcome::Misfit | Outcome::Placed { followed: false, .. }) {
                     let held = serde_json::to_string(&book.usage()).unwrap_or_default();
@@ -514,8 +533,10 @@ async fn create_one(
             &world.real_nodes,
             scheduler,
         )
-    } else {
+    } else if world.gpu_asks {
         k8s::pod(&name, &world.run, PHASES[phase], size, shape)
+    } else {
+        k8s::pod(&name, &world.run, PHASES[phase], size, shape).map(k8s::without_gpu_asks)
     };
     let object = match built {
         Ok(o) => o,
@@ -1043,17 +1064,19 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         .zip(&assignment)
         .map(|(n, &m)| (n.clone(), NodeBook::new(models[m].clone())))
         .collect();
-    let world = Arc::new(
-        World::new(
-            run_id,
-            args.namespace.clone(),
-            books,
-            args.faults.real_nodes.clone(),
-            args.faults.fault_schedulers.clone(),
-            args.mode.dra(),
-        )
-        .with_mix(args.mix, args.seed),
-    );
+    let mut world = World::new(
+        run_id,
+        args.namespace.clone(),
+        books,
+        args.faults.real_nodes.clone(),
+        args.faults.fault_schedulers.clone(),
+        args.mode.dra(),
+    )
+    .with_mix(args.mix, args.seed);
+    if !args.mode.gpu_asks() {
+        world = world.without_gpu_asks();
+    }
+    let world = Arc::new(world);
 
     tracing::info!(nodes = args.nodes, ?counts, "creating the scale nodes");
     let pairs: Vec<(String, Arc<NodeModel>, mix::NodeShape)> = names
@@ -1176,8 +1199,12 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         phases.close(1, t, Duration::ZERO).await?;
         deletes.insert("burst".to_string(), delete_phase(&world, &pods, 1).await?);
     }
+    // Nothing fills up without GPU asks.
+    if !args.mode.gpu_asks() && (args.fill > 0 || args.saturate > 0) {
+        eprintln!("no fill or saturation phase in the {} mode", args.mode.as_str());
+    }
     // e. fill: left bound
-    if args.fill > 0 {
+    if args.fill > 0 && args.mode.gpu_asks() {
         let t = phases.begin(2);
         let sizes = vec![Size::Share { mib: args.fill_mib }; args.fill as usize];
         create_all(&world, &pods, 2, "fill", sizes, args.concurrency).await;
@@ -1185,7 +1212,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         phases.close(2, t, Duration::from_secs(3)).await?;
     }
     // g. saturate: offered until they stop fitting; what is left unallocated then.
-    let saturation = if args.saturate > 0 {
+    let saturation = if args.saturate > 0 && args.mode.gpu_asks() {
         if args.fill > 0 {
             deletes.insert("fill".to_string(), delete_phase(&world, &pods, 2).await?);
         }
