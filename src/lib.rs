@@ -17,12 +17,14 @@
 //! - [`affinity`]: which nodes a pod's node selector and required node affinity admit, as
 //!   kube-scheduler reads them;
 //! - [`names`]: Kubernetes object names, checked as the API server checks them;
+//! - [`durable`]: files that must be found whole after a crash (written, synced, renamed);
 //! - [`tls`]: the extender's TLS (client certificates kube-scheduler presents) and `gpumem certs`.
 
 pub mod affinity;
 pub mod agent;
 pub mod alloc;
 pub mod claim;
+pub mod durable;
 pub mod gpu;
 pub mod http;
 pub mod inspect;

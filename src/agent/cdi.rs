@@ -125,11 +125,8 @@ impl CdiSpecs {
         };
         std::fs::create_dir_all(&self.dir).with_context(|| format!("creating {}", self.dir.display()))?;
         let path = self.path(claim_uid);
-        // Not *.json: the runtime never reads a half-written spec.
-        let temp = self.dir.join(format!(".{claim_uid}.tmp"));
-        let text = serde_json::to_vec_pretty(&spec)?;
-        std::fs::write(&temp, text)
-            .and_then(|()| std::fs::rename(&temp, &path))
+        // Its temporary is not *.json: the runtime never reads a half-written spec.
+        crate::durable::write(&path, &serde_json::to_vec_pretty(&spec)?, 0o644)
             .with_context(|| format!("writing the CDI spec {}", path.display()))
     }
 

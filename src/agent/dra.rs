@@ -119,9 +119,7 @@ impl Prepared {
         if let Some(dir) = self.path.parent() {
             std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
         }
-        let temp = self.path.with_extension("tmp");
-        std::fs::write(&temp, serde_json::to_vec_pretty(&checkpoint)?)
-            .and_then(|()| std::fs::rename(&temp, &self.path))
+        crate::durable::write(&self.path, &serde_json::to_vec_pretty(&checkpoint)?, 0o644)
             .with_context(|| format!("writing the DRA checkpoint {}", self.path.display()))
     }
 }

@@ -67,9 +67,7 @@ impl Enforcement {
         let containers = state_dir.join("containers");
         std::fs::create_dir_all(&containers).with_context(|| format!("creating {}", containers.display()))?;
         let preload = state_dir.join("ld.so.preload");
-        let temp = state_dir.join(".ld.so.preload.tmp");
-        std::fs::write(&temp, format!("{SHIM_CONTAINER_PATH}\n"))
-            .and_then(|()| std::fs::rename(&temp, &preload))
+        crate::durable::write(&preload, format!("{SHIM_CONTAINER_PATH}\n").as_bytes(), 0o644)
             .with_context(|| format!("writing {}", preload.display()))?;
         Ok(Self {
             shim: shim.to_path_buf(),

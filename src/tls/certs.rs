@@ -4,7 +4,6 @@
 //! kube-scheduler's (client). The CA's key is never written: nobody can later issue another
 //! certificate the scorer trusts. Rotating is running it again and replacing both sides.
 
-use std::io::Write as _;
 use std::net::IpAddr;
 use std::path::{Path, PathBuf};
 
@@ -151,10 +150,9 @@ impl Bundle {
         ]
     }
 
-    /// Writes [`FILES`] into `dir` (keys readable by the owner only), each to a temporary name then
-    /// renamed, so that a reader never sees half a file. Without `force`, refuses if any exists.
+    /// Writes [`FILES`] into `dir` (keys readable by the owner only), each durably
+    /// ([`crate::durable`]): a reader never sees half a file. Without `force`, refuses if any exists.
     pub fn write(&self, dir: &Path, force: bool) -> anyhow::Result<()> {
-        use std::os::unix::fs::OpenOptionsExt as _;
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
         if !force && let Some((file, _)) = FILES.iter().find(|(file, _)| dir.join(file).exists()) {
             anyhow::bail!(
@@ -165,18 +163,8 @@ impl Bundle {
         }
         for ((file, secret), text) in FILES.iter().zip(self.contents()) {
             let path = dir.join(file);
-            let partial = dir.join(format!(".{file}.new"));
-            let mut f = std::fs::OpenOptions::new()
-                .write(true)
-                .create(true)
-                .truncate(true)
-                .mode(if *secret { 0o600 } else { 0o644 })
-                .open(&partial)
-                .with_context(|| format!("creating {}", partial.display()))?;
-            f.write_all(text.as_bytes())
-                .and_then(|()| f.sync_all())
-                .with_context(|| format!("writing {}", partial.display()))?;
-            std::fs::rename(&partial, &path).with_context(|| format!("writing {}", path.display()))?;
+            crate::durable::write(&path, text.as_bytes(), if *secret { 0o600 } else { 0o644 })
+                .with_context(|| format!("writing {}", path.display()))?;
         }
         Ok(())
     }
