@@ -437,7 +437,12 @@ async fn a_restarted_agent_keeps_what_it_prepared_and_drops_what_lost_its_pod() 
 
     // The agent dies; the runtime's CDI directory (tmpfs) is emptied; claim b's pod is deleted, and
     // with it the claim, while the agent is away (the kubelet will never unprepare it).
+    // It died half-way through its next checkpoint write: what it left of that is a temporary
+    // (gpumem::durable), the checkpoint itself stays whole.
     drop(agent);
+    let checkpoint = node.state_dir().join("dra").join("prepared.json");
+    let cut_short = gpumem::durable::temp_path(&checkpoint);
+    std::fs::write(&cut_short, b"{\"version\": 1, \"claims\": {\"uid-").unwrap();
     let (spec_a, spec_b) = (node.spec_path("uid-a"), node.spec_path("uid-b"));
     std::fs::remove_file(&spec_a).unwrap();
     assert!(node.api.remove_claim("team", "b"));
@@ -469,6 +474,10 @@ async fn a_restarted_agent_keeps_what_it_prepared_and_drops_what_lost_its_pod() 
     assert!(idle_but(&usage, &[2]), "{usage:?}");
     let kept: Vec<String> = node.checkpoint().as_object().unwrap().keys().cloned().collect();
     assert_eq!(kept, ["uid-a"]);
+    assert!(
+        !cut_short.exists(),
+        "the next write replaced the cut-short temporary"
+    );
     // Claim a's room is taken: GPU 2 is not handed out whole.
     let whole = put_claim(&node.api, "whole", "gpu-2", None);
     let error = plugin.prepare_one(&whole).await;

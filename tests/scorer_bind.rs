@@ -215,6 +215,32 @@ async fn the_gpu_ranked_first_is_held_until_its_pods_bind() {
     api.assert_all_granted();
 }
 
+/// Among equal nodes kube-scheduler would pick at random, and mostly not the one holding the pod's
+/// GPU: the node ranked first alone keeps the top score, and that is the node holding it.
+#[tokio::test]
+async fn of_equal_nodes_the_one_holding_the_gpu_alone_scores_top() {
+    let nodes = [
+        node_json("a", &[g(16384, 10384)]),
+        node_json("b", &[g(16384, 10384)]),
+        node_json("c", &[g(16384, 10384)]),
+    ];
+    let pods = [
+        pod_json("p1", 5000, 0, json!({}), json!({})),
+        pod_json("p2", 5000, 0, json!({}), json!({})),
+    ];
+    let (addr, _, _) = setup(&nodes, &pods).await;
+    let (_, r) = post_json(addr, "/prioritize", &args_nodes(&pods[0], &nodes)).await;
+    let scores: Vec<i64> = ["a", "b", "c"].iter().map(|n| score_of(&r, n)).collect();
+    let top = *scores.iter().max().expect("scores");
+    assert_eq!(scores.iter().filter(|s| **s == top).count(), 1, "{r}");
+    let held = ["a", "b", "c"][scores.iter().position(|s| *s == top).expect("top")];
+    // The next pod finds that node's room taken, the others' free.
+    let (_, r) = post_json(addr, "/filter", &args_nodes(&pods[1], &nodes)).await;
+    let kept = kept_names(&r);
+    assert_eq!(kept.len(), 2, "{r}");
+    assert!(!kept.iter().any(|n| n == held), "{held} holds p1's GPU: {r}");
+}
+
 /// A hold is a guess at kube-scheduler's choice: a bind avoids held GPUs while another fits, and takes
 /// held room when nothing else on the node does (kube-scheduler chose the node; the held pod's own
 /// bind then chooses again).

@@ -161,7 +161,7 @@ async fn the_scorer_ranks_and_chooses_gpus_as_the_simulators_policy_does() {
             .fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), c| {
                 (lo.min(c.score), hi.max(c.score))
             });
-        let expected: Vec<(String, i64)> = (0..sim.nodes.len())
+        let mut expected: Vec<(String, i64)> = (0..sim.nodes.len())
             .map(|n| {
                 let score = candidates.iter().find(|c| c.node as usize == n).map_or(0, |c| {
                     let term = if hi > lo { (c.score - lo) / (hi - lo) } else { 1.0 };
@@ -174,6 +174,14 @@ async fn the_scorer_ranks_and_chooses_gpus_as_the_simulators_policy_does() {
             .iter()
             .max_by(|a, b| a.score.total_cmp(&b.score).then(b.node.cmp(&a.node)))
             .expect("a candidate");
+        // The node ranked first (the first of the best) alone keeps the top score: the ones that
+        // tie with it score one less, so kube-scheduler binds where the scorer holds the GPU.
+        let top = expected[best.node as usize].1;
+        for (n, (_, score)) in expected.iter_mut().enumerate() {
+            if n != best.node as usize && top > 0 && *score >= top {
+                *score = top - 1;
+            }
+        }
 
         // The scorer, as kube-scheduler calls it.
         let (status, ranked) = post_json(addr, "/prioritize", &args_nodes(object, &nodes)).await;

@@ -3,7 +3,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use anyhow::Context as _;
@@ -235,7 +235,10 @@ async fn renew_lease(leases: &Api<Lease>, name: &str) -> anyhow::Result<()> {
 /// Lease as the kubelet's heartbeat), until the process ends. As 1000 kubelets would: each node on
 /// its own schedule, spread over the period, every renewal its own request (a round of 1000
 /// renewals behind a few connections falls more than the Lease's 40 s behind once the API server is
-/// saturated, and the node goes NotReady). `client` should be this loop's own (its own connections).
+/// saturated, and the node goes NotReady), and, as a kubelet, one at a time per node: a node whose
+/// last renewal is still waiting skips its turn (unbounded, a saturated API server had the tool
+/// holding 8825 connections to it, each a renewal waiting, and it never recovered).
+/// `client` should be this loop's own (its own connections).
 pub async fn renew_leases(
     client: Client,
     names: Arc<Vec<String>>,
@@ -246,6 +249,7 @@ pub async fn renew_leases(
         return;
     }
     let leases: Api<Lease> = Api::namespaced(client, LEASE_NAMESPACE);
+    let waiting: Arc<Vec<AtomicBool>> = Arc::new(names.iter().map(|_| AtomicBool::new(false)).collect());
     let mut tick = tokio::time::interval(LEASE_RENEW / names.len() as u32);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
     for i in (0..names.len()).cycle() {
@@ -254,15 +258,22 @@ pub async fn renew_leases(
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .contains(&names[i])
+            || waiting[i].swap(true, Ordering::AcqRel)
         {
             continue;
         }
-        let (leases, name, failures) = (leases.clone(), names[i].clone(), failures.clone());
+        let (leases, name, failures, waiting) = (
+            leases.clone(),
+            names[i].clone(),
+            failures.clone(),
+            waiting.clone(),
+        );
         tokio::spawn(async move {
             if let Err(err) = renew_lease(&leases, &name).await {
                 failures.fetch_add(1, Ordering::Relaxed);
                 tracing::warn!(error = %format!("{err:#}"), "Lease renewal failed");
             }
+            waiting[i].store(false, Ordering::Release);
         });
     }
 }
