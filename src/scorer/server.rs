@@ -248,10 +248,28 @@ async fn handle(scorer: &Arc<Scorer>, req: Request<Body>, verbs: bool) -> Reply 
             let prioritize = |s: &Scorer, args| s.prioritize(args).map(|r| r.to_json());
             decide_off_workers(scorer, req, "prioritize", prioritize).await
         }
-        // A bind decides for one node (bounded work) between API calls: it stays here.
+        // A bind decides for one node (bounded work) between API calls, in a task of its own: when
+        // kube-scheduler gives up waiting (its extender timeout) and resets the stream, the bind goes
+        // on to its end (the pod bound, or its reservation and booking taken back) instead of being
+        // dropped between its booking and its Binding, which left room held for no pod.
         (&Method::POST, "bind") => match read_body(req, limit, "bind").await {
             Ok(bytes) => match decode(&bytes, "bind") {
-                Ok(args) => json(&scorer.bind(args).await),
+                Ok(args) => {
+                    let bind = tokio::spawn({
+                        let scorer = scorer.clone();
+                        async move { scorer.bind(args).await }
+                    });
+                    match bind.await {
+                        Ok(result) => json(&result),
+                        Err(e) => {
+                            scorer.error("bind");
+                            text(
+                                StatusCode::INTERNAL_SERVER_ERROR,
+                                format!("the bind did not finish: {e}"),
+                            )
+                        }
+                    }
+                }
                 Err(e) => bad(scorer, "bind", e),
             },
             Err(r) => refused(scorer, "bind", r),
