@@ -177,6 +177,84 @@ fn score_of(r: &Value, host: &str) -> i64 {
         .expect("scored")
 }
 
+/// kube-scheduler tries a pod again after its extender timeout while the first bind still runs: the
+/// second is refused, and the first's reservation and booking stay (the second's failed Binding used to
+/// take them back, freeing the GPU the pod was just bound to).
+#[tokio::test]
+async fn a_second_bind_of_a_pod_in_flight_is_refused_and_takes_nothing_back() {
+    let node = node_json("n", &[g(16384, 0), g(16384, 0)]);
+    let pods = [pod_json("p1", 12000, 0, json!({}), json!({}))];
+    let (addr, scorer, api) = setup(&[node], &pods).await;
+    *api.binding_delay.lock().expect("lock") = Duration::from_millis(400);
+    let first = tokio::spawn(async move { post_json(addr, "/bind", &bind_args("p1", "n")).await });
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    let (_, second) = post_json(addr, "/bind", &bind_args("p1", "n")).await;
+    assert!(
+        second["Error"]
+            .as_str()
+            .is_some_and(|e| e.contains("still on its way")),
+        "{second}"
+    );
+    let (_, first) = first.await.expect("first bind");
+    assert_eq!(first["Error"], "", "{first}");
+    assert_eq!(scorer.ledger.len(), 1, "the first bind's reservation stays");
+    let lease = api.lease("gpumem-system/gpumem-bookings-n").expect("Lease");
+    assert!(
+        lease["metadata"]["annotations"]["gpumem.io/bookings"]
+            .as_str()
+            .is_some_and(|b| b.contains("team-a/p1")),
+        "{lease}"
+    );
+    // kube-scheduler's retry after the first ended (filtered, so reserved before the pod is read)
+    // finds the pod bound: it takes back nothing, neither its own reservation nor the first's.
+    let nodes = [node_json("n", &[g(16384, 12000), g(16384, 0)])];
+    post_json(addr, "/filter", &args_nodes(&pods[0], &nodes)).await;
+    let (_, again) = post_json(addr, "/bind", &bind_args("p1", "n")).await;
+    assert!(
+        again["Error"]
+            .as_str()
+            .is_some_and(|e| e.contains("already bound")),
+        "{again}"
+    );
+    assert_eq!(
+        scorer.ledger.len(),
+        2,
+        "both stay until the annotation shows the pod"
+    );
+    let lease = api.lease("gpumem-system/gpumem-bookings-n").expect("Lease");
+    assert!(
+        lease["metadata"]["annotations"]["gpumem.io/bookings"]
+            .as_str()
+            .is_some_and(|b| b.contains("team-a/p1")),
+        "{lease}"
+    );
+    api.assert_all_granted();
+}
+
+/// A bind refused for want of room wrote nothing: the next bind to the node goes on from the Lease as
+/// read, without reading it again.
+#[tokio::test]
+async fn a_refused_bind_keeps_the_lease_as_read_for_the_next() {
+    let node = node_json("n", &[g(16384, 0)]);
+    let pods = [
+        pod_json("p1", 12000, 0, json!({}), json!({})),
+        pod_json("p2", 12000, 0, json!({}), json!({})),
+        pod_json("p3", 4000, 0, json!({}), json!({})),
+    ];
+    let (addr, _, api) = setup(&[node], &pods).await;
+    for (pod, fits) in [("p1", true), ("p2", false), ("p3", true)] {
+        let (_, r) = post_json(addr, "/bind", &bind_args(pod, "n")).await;
+        assert_eq!(r["Error"] == "", fits, "{pod}: {r}");
+    }
+    let lease_reads = api
+        .seen()
+        .iter()
+        .filter(|s| s.method == "GET" && s.path.contains("/leases/"))
+        .count();
+    assert_eq!(lease_reads, 1, "{:?}", api.seen());
+    api.assert_all_granted();
+}
+
 /// kube-scheduler ranks the next pod before the last pod's bind has arrived: the GPU `prioritize`
 /// ranked first is held for its pod, so the next pod is filtered and ranked around it (without the
 /// hold it went to the same node, and its bind was refused).

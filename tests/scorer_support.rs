@@ -468,7 +468,10 @@ impl FakeApi {
                     .iter()
                     .any(|p| p == name)
                 {
-                    return conflict("pod is already assigned".into());
+                    // As the real one refuses a Binding whose pod is another incarnation.
+                    return conflict(format!(
+                        "Operation cannot be fulfilled on pods/binding {name:?}: Precondition failed: UID in precondition: uid-{name}, UID in object meta: uid-other"
+                    ));
                 }
                 let mut pods = self.pods.lock().expect("lock");
                 let Some(pod) = pods.get_mut(&format!("{ns}/{name}")) else {

@@ -477,6 +477,11 @@ async fn kube_schedulers_calls_share_one_http2_connection() {
 /// The scorer in this process on TLS (`certs` from `gpumem certs`), under `limits`: the idle limit
 /// shortened where the binary would take its 2 minutes.
 async fn scorer_in_process(certs: &Path, limits: Limits) -> SocketAddr {
+    scorer_in_process_with(certs, limits, None).await
+}
+
+/// [`scorer_in_process`] with a Kubernetes client (for `bind`).
+async fn scorer_in_process_with(certs: &Path, limits: Limits, client: Option<kube::Client>) -> SocketAddr {
     let files = TlsFiles {
         cert_file: certs.join("scorer.crt"),
         key_file: certs.join("scorer.key"),
@@ -489,7 +494,7 @@ async fn scorer_in_process(certs: &Path, limits: Limits) -> SocketAddr {
     let addr = listener.local_addr().expect("bound address");
     let scorer = Arc::new(gpumem::scorer::Scorer::new(
         ScorerConfig::default(),
-        None,
+        client,
         None,
         None,
     ));
@@ -552,4 +557,55 @@ async fn an_http2_connection_is_kept_while_a_call_is_open_and_sent_goaway_once_i
         "closed {:?} after the last call, before the idle limit",
         started.elapsed()
     );
+}
+
+/// kube-scheduler gives up on a bind after its extender timeout and resets the stream: the bind goes
+/// on to its end, so the pod is bound (kube-scheduler's next try finds it so) and no booking is left
+/// holding room for a Binding that was never made.
+#[tokio::test]
+async fn a_bind_kube_scheduler_gave_up_on_still_finishes() {
+    use scorer_support::{FakeApi, fake_api, g, node_json, pod_json};
+    let dir = tempfile::tempdir().expect("temp dir");
+    make_certs(dir.path(), &[]);
+    let api = Arc::new(FakeApi::default());
+    api.add_node(&node_json("n", &[g(16384, 0)]));
+    api.add_pod(&pod_json(
+        "p1",
+        5000,
+        0,
+        serde_json::json!({}),
+        serde_json::json!({}),
+    ));
+    // The bind reads its pod slowly: kube-scheduler stops waiting before its Binding is sent.
+    *api.pod_get_delay.lock().expect("lock") = Duration::from_millis(800);
+    let client = fake_api(api.clone()).await;
+    let addr = scorer_in_process_with(dir.path(), Limits::default(), Some(client)).await;
+    let tcp = TcpStream::connect(addr).await.expect("connect");
+    let name = ServerName::try_from("localhost").expect("server name");
+    let tls = TlsConnector::from(scheduler_offering_h2(dir.path()))
+        .connect(name, tcp)
+        .await
+        .expect("handshake");
+    let (client, connection) = h2::client::handshake(tls).await.expect("HTTP/2 preface");
+    tokio::spawn(connection);
+    let mut sender = client.ready().await.expect("a stream slot");
+    let request = hyper::Request::post("https://localhost/scheduler/bind")
+        .header("content-type", "application/json")
+        .body(())
+        .expect("request");
+    let (_answer, mut body) = sender.send_request(request, false).expect("open a stream");
+    let args = r#"{"PodName": "p1", "PodNamespace": "team-a", "PodUID": "uid-p1", "Node": "n"}"#;
+    body.send_data(Bytes::from_static(args.as_bytes()), true)
+        .expect("the bind's body");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    body.send_reset(h2::Reason::CANCEL);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let bound = api.pod("team-a/p1").is_some_and(|p| p["spec"]["nodeName"] == "n");
+        if bound {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the bind was dropped with the stream");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }

@@ -38,6 +38,9 @@ pub enum BindError {
     /// deleted, another scheduler's).
     #[error("{0}")]
     NotBindable(String),
+    /// The pod is bound already (by an earlier bind of it that kube-scheduler stopped waiting for).
+    #[error("{0}")]
+    AlreadyBound(String),
     /// The pod's GPU request cannot be read.
     #[error("{0}")]
     BadPod(String),
@@ -58,7 +61,7 @@ impl BindError {
         match self {
             BindError::BadRequest(_) => "bad_request",
             BindError::NoClient => "no_client",
-            BindError::NotBindable(_) => "not_bindable",
+            BindError::NotBindable(_) | BindError::AlreadyBound(_) => "not_bindable",
             BindError::BadPod(_) => "bad_pod",
             BindError::DoesNotFit(_) => "does_not_fit",
             BindError::Contended(_) => "contended",
@@ -186,7 +189,7 @@ impl Scorer {
             .and_then(|s| s.node_name.as_deref())
             .filter(|n| !n.is_empty())
         {
-            return Err(BindError::NotBindable(format!(
+            return Err(BindError::AlreadyBound(format!(
                 "pod {name} is already bound to {bound}"
             )));
         }
@@ -222,7 +225,14 @@ impl Scorer {
             // Only live bookings count, in the choice as in what is written back: one whose pod has
             // gone (a pod deleted within the TTL) must not hold room.
             let mut keep = self.live_bookings(node_name, &read.bookings, &d.key);
-            let r = self.reserve_with(d, node_name, &keep).await?;
+            let r = match self.reserve_with(d, node_name, &keep).await {
+                Ok(r) => r,
+                Err(e) => {
+                    // Nothing written: the next bind to this node starts from the Lease as read.
+                    *turn = Some(read);
+                    return Err(e);
+                }
+            };
             keep.push(Booking {
                 pod: r.pod.clone(),
                 uid: Some(d.uid.clone()).filter(|u| !u.is_empty()),
@@ -425,6 +435,17 @@ impl Scorer {
     async fn bind_inner(&self, args: &ExtenderBindingArgs) -> Result<(), BindError> {
         let client = self.client.clone().ok_or(BindError::NoClient)?;
         let namespace = check_binding_args(args).map_err(BindError::BadRequest)?;
+        // kube-scheduler tries a pod again once it stopped waiting for its bind, which goes on in
+        // its own task: two binds of one pod would each reserve and book, and the loser's failed
+        // Binding would take back the winner's reservation and booking with its own (both by pod),
+        // leaving the winner's GPU free to the next pod.
+        let _only = self.binding.begin(&args.pod_uid).ok_or_else(|| {
+            BindError::NotBindable(format!(
+                "a bind of pod {namespace}/{} is still on its way (kube-scheduler stopped waiting for it); \
+                 the pod is bound or freed when it ends",
+                args.pod_name
+            ))
+        })?;
         // The pod's own hold ends here: this bind is kube-scheduler's choice, wherever it was held.
         self.holds.release(&args.pod_uid);
         // kube-scheduler starts the next pod's cycle while this bind is on its way: reserving before
@@ -491,13 +512,56 @@ impl Scorer {
             Ok::<(), BindError>(())
         }
         .await;
+        // A pod found bound (or whose Binding the API server refused as already assigned: bound
+        // meanwhile) keeps what was reserved and booked for it: the reservation and the booking are
+        // the pod's, however many binds made them, and taking them back would free the GPU it was
+        // just bound to. They end when the agent's annotation shows the pod, or by themselves.
+        let bound = match &outcome {
+            Err(BindError::AlreadyBound(_)) => true,
+            Err(BindError::Api {
+                source: kube::Error::Api(status),
+                ..
+            }) => status.code == 409 && status.message.contains("already assigned"),
+            _ => false,
+        };
         if outcome.is_err()
+            && !bound
             && let Some(r) = &reserved
         {
             self.ledger.release(&args.node, &r.pod);
             self.unbook(&args.node, &r.pod).await;
         }
         outcome
+    }
+}
+
+/// The pods (by UID) whose bind is running: at most one bind of a pod at a time.
+#[derive(Default)]
+pub(super) struct BindsRunning {
+    uids: Arc<std::sync::Mutex<std::collections::HashSet<String>>>,
+}
+
+/// A bind in flight; its pod's UID is let go when it is dropped.
+pub(super) struct InFlight {
+    uids: Arc<std::sync::Mutex<std::collections::HashSet<String>>>,
+    uid: String,
+}
+
+impl BindsRunning {
+    /// Marks `uid`'s bind as running, or `None` when one already is.
+    pub(super) fn begin(&self, uid: &str) -> Option<InFlight> {
+        let mut uids = self.uids.lock().unwrap_or_else(|e| e.into_inner());
+        uids.insert(uid.to_string()).then(|| InFlight {
+            uids: self.uids.clone(),
+            uid: uid.to_string(),
+        })
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        let mut uids = self.uids.lock().unwrap_or_else(|e| e.into_inner());
+        uids.remove(&self.uid);
     }
 }
 

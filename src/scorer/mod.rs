@@ -81,6 +81,8 @@ pub struct Scorer {
     kept: Mutex<Vec<Kept>>,
     /// The requests of the pods `filter` saw, for their `bind`.
     filtered: bind::Filtered,
+    /// The pods whose bind is running (one at a time per pod).
+    binding: bind::BindsRunning,
     /// The bookings replicas share (`sharedBookings`, with a client).
     board: Option<bookings::Board>,
 }
@@ -147,6 +149,7 @@ impl Scorer {
             gauges_at: Mutex::new(None),
             kept: Mutex::new(Vec::new()),
             filtered: bind::Filtered::default(),
+            binding: bind::BindsRunning::default(),
         }
     }
 
