@@ -159,6 +159,25 @@ async fn bind_uses_the_policy_choice_of_gpu() {
     api.assert_all_granted();
 }
 
+/// How many times the scorer read a bookings Lease.
+fn lease_reads(api: &FakeApi) -> usize {
+    api.seen()
+        .iter()
+        .filter(|s| s.method == "GET" && s.path.contains("/leases/"))
+        .count()
+}
+
+/// The bookings annotation of `node`'s Lease.
+fn bookings_of(api: &FakeApi, node: &str) -> String {
+    let lease = api
+        .lease(&format!("gpumem-system/gpumem-bookings-{node}"))
+        .expect("the node's Lease");
+    lease["metadata"]["annotations"]["gpumem.io/bookings"]
+        .as_str()
+        .expect("bookings")
+        .to_string()
+}
+
 fn kept_names(r: &Value) -> Vec<String> {
     r["Nodes"]["items"]
         .as_array()
@@ -198,13 +217,8 @@ async fn a_second_bind_of_a_pod_in_flight_is_refused_and_takes_nothing_back() {
     let (_, first) = first.await.expect("first bind");
     assert_eq!(first["Error"], "", "{first}");
     assert_eq!(scorer.ledger.len(), 1, "the first bind's reservation stays");
-    let lease = api.lease("gpumem-system/gpumem-bookings-n").expect("Lease");
-    assert!(
-        lease["metadata"]["annotations"]["gpumem.io/bookings"]
-            .as_str()
-            .is_some_and(|b| b.contains("team-a/p1")),
-        "{lease}"
-    );
+    let booked = bookings_of(&api, "n");
+    assert!(booked.contains("team-a/p1"), "{booked}");
     // kube-scheduler's retry after the first ended (filtered, so reserved before the pod is read)
     // finds the pod bound: it takes back nothing, neither its own reservation nor the first's.
     let nodes = [node_json("n", &[g(16384, 12000), g(16384, 0)])];
@@ -221,13 +235,8 @@ async fn a_second_bind_of_a_pod_in_flight_is_refused_and_takes_nothing_back() {
         2,
         "both stay until the annotation shows the pod"
     );
-    let lease = api.lease("gpumem-system/gpumem-bookings-n").expect("Lease");
-    assert!(
-        lease["metadata"]["annotations"]["gpumem.io/bookings"]
-            .as_str()
-            .is_some_and(|b| b.contains("team-a/p1")),
-        "{lease}"
-    );
+    let booked = bookings_of(&api, "n");
+    assert!(booked.contains("team-a/p1"), "{booked}");
     api.assert_all_granted();
 }
 
@@ -246,11 +255,7 @@ async fn a_refused_bind_keeps_the_lease_as_read_for_the_next() {
         let (_, r) = post_json(addr, "/bind", &bind_args(pod, "n")).await;
         assert_eq!(r["Error"] == "", fits, "{pod}: {r}");
     }
-    let lease_reads = api
-        .seen()
-        .iter()
-        .filter(|s| s.method == "GET" && s.path.contains("/leases/"))
-        .count();
+    let lease_reads = lease_reads(&api);
     assert_eq!(lease_reads, 1, "{:?}", api.seen());
     api.assert_all_granted();
 }
@@ -389,19 +394,12 @@ async fn one_replicas_binds_to_one_node_never_conflict() {
     gpus.dedup();
     assert_eq!(gpus.len(), 4, "a GPU each");
     assert_eq!(scorer.metrics.booking_conflicts.get(), 0);
-    let lease_reads = api
-        .seen()
-        .iter()
-        .filter(|s| s.method == "GET" && s.path.contains("/leases/"))
-        .count();
+    let lease_reads = lease_reads(&api);
     assert_eq!(
         lease_reads, 1,
         "read once, then written on top of what was written"
     );
-    let lease = api.lease("gpumem-system/gpumem-bookings-n").expect("Lease");
-    let booked = lease["metadata"]["annotations"]["gpumem.io/bookings"]
-        .as_str()
-        .expect("bookings");
+    let booked = bookings_of(&api, "n");
     for p in names {
         assert!(booked.contains(&format!("team-a/{p}")), "{booked}");
     }

@@ -508,6 +508,23 @@ async fn scorer_in_process_with(certs: &Path, limits: Limits, client: Option<kub
     addr
 }
 
+/// An HTTP/2 connection to the in-process scorer at `addr` as kube-scheduler opens it (`certs`).
+async fn h2_connect(
+    addr: SocketAddr,
+    certs: &Path,
+) -> (
+    h2::client::SendRequest<Bytes>,
+    h2::client::Connection<tokio_rustls::client::TlsStream<TcpStream>, Bytes>,
+) {
+    let tcp = TcpStream::connect(addr).await.expect("connect");
+    let name = ServerName::try_from("localhost").expect("server name");
+    let tls = TlsConnector::from(scheduler_offering_h2(certs))
+        .connect(name, tcp)
+        .await
+        .expect("handshake");
+    h2::client::handshake(tls).await.expect("HTTP/2 preface")
+}
+
 #[tokio::test]
 async fn an_http2_connection_is_kept_while_a_call_is_open_and_sent_goaway_once_idle() {
     let dir = tempfile::tempdir().expect("temp dir");
@@ -521,13 +538,7 @@ async fn an_http2_connection_is_kept_while_a_call_is_open_and_sent_goaway_once_i
         },
     )
     .await;
-    let tcp = TcpStream::connect(addr).await.expect("connect");
-    let name = ServerName::try_from("localhost").expect("server name");
-    let tls = TlsConnector::from(scheduler_offering_h2(dir.path()))
-        .connect(name, tcp)
-        .await
-        .expect("handshake");
-    let (client, connection) = h2::client::handshake(tls).await.expect("HTTP/2 preface");
+    let (client, connection) = h2_connect(addr, dir.path()).await;
     let mut driver = tokio::spawn(connection);
     let (status, _) = h2_post(&client, "/scheduler/filter", &fixture("filter_nodes.json")).await;
     assert_eq!(status, 200);
@@ -580,13 +591,7 @@ async fn a_bind_kube_scheduler_gave_up_on_still_finishes() {
     *api.pod_get_delay.lock().expect("lock") = Duration::from_millis(800);
     let client = fake_api(api.clone()).await;
     let addr = scorer_in_process_with(dir.path(), Limits::default(), Some(client)).await;
-    let tcp = TcpStream::connect(addr).await.expect("connect");
-    let name = ServerName::try_from("localhost").expect("server name");
-    let tls = TlsConnector::from(scheduler_offering_h2(dir.path()))
-        .connect(name, tcp)
-        .await
-        .expect("handshake");
-    let (client, connection) = h2::client::handshake(tls).await.expect("HTTP/2 preface");
+    let (client, connection) = h2_connect(addr, dir.path()).await;
     tokio::spawn(connection);
     let mut sender = client.ready().await.expect("a stream slot");
     let request = hyper::Request::post("https://localhost/scheduler/bind")

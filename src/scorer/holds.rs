@@ -143,16 +143,7 @@ impl Inner {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::scorer::state::GpuSnapshot;
-
-    fn node(free: &[u64]) -> NodeSnapshot {
-        let gpus = free
-            .iter()
-            .enumerate()
-            .map(|(i, &f)| GpuSnapshot::for_tests(i, "m", 8000, 8000 - f))
-            .collect();
-        NodeSnapshot::with_gpus("n", 1, gpus)
-    }
+    use crate::scorer::ledger::tests::node;
 
     fn on_gpu(n: &NodeSnapshot, pod: &str, gpu: usize, mib: Option<u64>) -> Reservation {
         Reservation {

@@ -188,10 +188,11 @@ pub fn subtract(node: &mut NodeSnapshot, r: &Reservation) -> u64 {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn node(free: &[u64]) -> NodeSnapshot {
+    /// Node "n" with one 8000 MiB GPU per entry, each with that many MiB free.
+    pub(crate) fn node(free: &[u64]) -> NodeSnapshot {
         let gpus = free
             .iter()
             .enumerate()
