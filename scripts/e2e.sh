@@ -251,7 +251,12 @@ for r in rows:
     what = (f"{r['fault']}: {r['failed_gpu']} pods failed for GPU reasons "
             f"({r['failed_plugin_down']} while the device plugin restarted), {r['over_capacity']} GPUs over capacity, "
             f"{r['pending_without_reason']} pending without a reason, recovered {r['recovered_s']} s after it")
-    print(f"{'ok' if r['ok'] else 'bad'}\t{what}\t{r['verdict']}")
+    why = r['verdict']
+    if not r['ok'] and r.get('failures'):
+        # The kubelet's own words, so that a CI log's tail says which failure it was.
+        said = "; ".join(" ".join(f.split()) for f in r['failures'])
+        why = f"{why}; the first failures: {said}"
+    print(f"{'ok' if r['ok'] else 'bad'}\t{what}\t{why}")
 PY
   )
   local verdict what why

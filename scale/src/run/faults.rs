@@ -271,13 +271,23 @@ async fn reap(world: Arc<World>, pods: Api<Pod>, give_up: Duration, stop: Arc<At
     }
 }
 
-/// Whether the kubelet refused the pod because the resource had no healthy device at all: its device
-/// plugin was not serving (the kubelet marks every device of a plugin whose stream broke unhealthy until
-/// it registers again). A refusal by the agent's Allocate reads `rpc error`.
+/// Whether the kubelet refused the pod because its device plugin was not serving. Either the resource had
+/// no healthy device at all (the kubelet marks every device of a plugin whose stream broke unhealthy
+/// until it registers again), or the kubelet called a plugin that had just died, before it noticed: the
+/// call fails in gRPC's transport (`connection error`, `error reading from server`, `transport is
+/// closing`) or on an endpoint the kubelet already stopped. A refusal by the agent's own Allocate reads
+/// `rpc error` too, with the agent's reason after `desc =`, never a transport's.
 fn plugin_was_down(why: &str) -> bool {
-    why.starts_with("UnexpectedAdmissionError")
-        && why.contains("devices unavailable")
-        && why.contains("Available: 0,")
+    let no_device = why.contains("devices unavailable") && why.contains("Available: 0,");
+    let unreachable = [
+        "connection error",
+        "error reading from server",
+        "transport is closing",
+    ]
+    .iter()
+    .any(|t| why.contains(&format!("code = Unavailable desc = {t}")));
+    let stopped = why.contains("has been stopped");
+    why.starts_with("UnexpectedAdmissionError") && (no_device || unreachable || stopped)
 }
 
 /// Whether kube-scheduler has said why the pod waits. A pod without a reason is never given up on: it
@@ -771,6 +781,30 @@ mod tests {
                      ResourceExhausted desc = GPU-1 has 2000 MiB free, which is unexpected";
         assert!(!plugin_was_down(agent));
         assert!(!plugin_was_down("OutOfmemory: Available: 0, devices unavailable"));
+        let unavailable = "UnexpectedAdmissionError: Allocate failed due to rpc error: code = Unavailable \
+                           desc = GPU 2 is unhealthy: Xid 79, which is unexpected";
+        assert!(!plugin_was_down(unavailable), "the agent's own refusal");
+    }
+
+    #[test]
+    fn a_plugin_that_died_under_a_call_is_a_plugin_that_is_down() {
+        // What the kubelet 1.24 says when it calls a plugin in the moment between its death and the
+        // kubelet noticing it (its format strings: "Allocate failed due to %v, which is unexpected",
+        // "device plugin GetPreferredAllocation rpc failed with err: %v", "endpoint %v has been stopped").
+        for why in [
+            "UnexpectedAdmissionError: Allocate failed due to rpc error: code = Unavailable desc = \
+             connection error: desc = \"transport: Error while dialing dial unix \
+             /var/lib/kubelet/device-plugins/gpumem-gpu.sock: connect: connection refused\", which is unexpected",
+            "UnexpectedAdmissionError: Allocate failed due to device plugin GetPreferredAllocation rpc \
+             failed with err: rpc error: code = Unavailable desc = error reading from server: EOF, which \
+             is unexpected",
+            "UnexpectedAdmissionError: Allocate failed due to rpc error: code = Unavailable desc = \
+             transport is closing, which is unexpected",
+            "UnexpectedAdmissionError: Allocate failed due to endpoint &{0xc000 0xc001} has been \
+             stopped, which is unexpected",
+        ] {
+            assert!(plugin_was_down(why), "{why}");
+        }
     }
 
     #[test]
