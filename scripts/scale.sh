@@ -230,6 +230,9 @@ $(sed 's/^/  /' <<< "$DRA_CONFIG")"
   # The nodes' readiness as kubectl shows it, after the whole run.
   k get nodes --no-headers 2> /dev/null | awk '{print $2}' | sort | uniq -c > "$RUN_OUT/nodes-ready.txt"
   log "nodes by status at the end: $(tr '\n' ' ' < "$RUN_OUT/nodes-ready.txt")"
+  # The API server's own counts (requests by verb and resource, flow control's waits by priority
+  # level): where a path's time goes when the API server is the limit.
+  k get --raw /metrics > "$RUN_OUT/apiserver-metrics.txt" 2> /dev/null
   if [ -n "$SCORER_PID" ]; then
     curl -sf "http://$SCORER_ADDR/metrics" > "$RUN_OUT/scorer-metrics.txt" 2> /dev/null
   fi

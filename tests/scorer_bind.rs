@@ -10,6 +10,7 @@ use std::time::Duration;
 use gpumem::scorer::Scorer;
 use gpumem::scorer::cache::NodeCache;
 use gpumem::scorer::config::ScorerConfig;
+use gpumem::scorer::metrics::HoldLabel;
 use gpumem::scorer::pods::PodCache;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use serde_json::{Value, json};
@@ -292,10 +293,16 @@ async fn the_gpu_ranked_first_is_held_until_its_pods_bind() {
     assert_eq!(r["Error"], "", "{r}");
     assert_eq!(assigned(&api, "p1").as_deref(), Some("GPU-tight-0"));
     assert_eq!(scorer.metrics.holds.get(), 0, "the bind ends the hold");
+    assert_eq!(binds(&scorer, "on_hold"), 1, "bound where it was held");
     assert_eq!(scorer.ledger.len(), 1, "the ledger holds the room now");
     let (_, r) = post_json(addr, "/filter", &args_nodes(&pods[1], &nodes)).await;
     assert_eq!(kept_names(&r), ["roomy"], "{r}");
     api.assert_all_granted();
+}
+
+/// The scorer's count of binds by where they went against the pod's hold.
+fn binds(scorer: &Scorer, hold: &'static str) -> u64 {
+    scorer.metrics.binds.get_or_create(&HoldLabel { hold }).get()
 }
 
 /// Among equal nodes kube-scheduler would pick at random, and mostly not the one holding the pod's
@@ -311,7 +318,7 @@ async fn of_equal_nodes_the_one_holding_the_gpu_alone_scores_top() {
         pod_json("p1", 5000, 0, json!({}), json!({})),
         pod_json("p2", 5000, 0, json!({}), json!({})),
     ];
-    let (addr, _, _) = setup(&nodes, &pods).await;
+    let (addr, scorer, _) = setup(&nodes, &pods).await;
     let (_, r) = post_json(addr, "/prioritize", &args_nodes(&pods[0], &nodes)).await;
     let scores: Vec<i64> = ["a", "b", "c"].iter().map(|n| score_of(&r, n)).collect();
     let top = *scores.iter().max().expect("scores");
@@ -322,6 +329,19 @@ async fn of_equal_nodes_the_one_holding_the_gpu_alone_scores_top() {
     let kept = kept_names(&r);
     assert_eq!(kept.len(), 2, "{r}");
     assert!(!kept.iter().any(|n| n == held), "{held} holds p1's GPU: {r}");
+    // kube-scheduler may still choose another node: the bind says so.
+    let other = ["a", "b", "c"]
+        .into_iter()
+        .find(|n| *n != held)
+        .expect("another node");
+    let (_, r) = post_json(addr, "/bind", &bind_args("p1", other)).await;
+    assert_eq!(r["Error"], "", "{r}");
+    assert_eq!(binds(&scorer, "elsewhere"), 1);
+    assert_eq!(
+        scorer.metrics.holds.get(),
+        0,
+        "the bind ends the hold wherever it went"
+    );
 }
 
 /// A hold is a guess at kube-scheduler's choice: a bind avoids held GPUs while another fits, and takes
@@ -362,6 +382,8 @@ async fn a_bind_goes_around_holds_but_takes_held_room_when_only_that_fits() {
     assert_eq!(r["Error"], "", "only the held room fits p3: {r}");
     assert_eq!(assigned(&api, "p3").as_deref(), Some("GPU-n-0"));
     assert_eq!(scorer.metrics.binds_past_holds.get(), 1);
+    assert_eq!(binds(&scorer, "none"), 2, "p2 and p3 were never ranked");
+    assert_eq!(binds(&scorer, "on_hold"), 0);
     let (_, r) = post_json(addr, "/bind", &bind_args("p1", "n")).await;
     assert!(
         r["Error"]

@@ -4,7 +4,7 @@
 use super::bookings::{self, Booking, WriteError};
 use super::extender::{ExtenderBindingArgs, ExtenderBindingResult};
 use super::ledger::Reservation;
-use super::metrics::KindLabel;
+use super::metrics::{HoldLabel, KindLabel};
 use super::state::{NodeSnapshot, PodDemand};
 use super::{Scorer, decide, ledger, state};
 use crate::node::{ASSIGNED_AT_ANNOTATION, ASSIGNED_GPUS_ANNOTATION};
@@ -447,7 +447,12 @@ impl Scorer {
             ))
         })?;
         // The pod's own hold ends here: this bind is kube-scheduler's choice, wherever it was held.
-        self.holds.release(&args.pod_uid);
+        let hold = match self.holds.release(&args.pod_uid) {
+            Some((held, _)) if held == args.node => "on_hold",
+            Some(_) => "elsewhere",
+            None => "none",
+        };
+        self.metrics.binds.get_or_create(&HoldLabel { hold }).inc();
         // kube-scheduler starts the next pod's cycle while this bind is on its way: reserving before
         // reading the pod from the API server keeps the next `filter` from offering the same room. The
         // request is the one `filter` read from this pod (same UID; a pod's requests do not change).

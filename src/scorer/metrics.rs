@@ -12,7 +12,8 @@
 //! should speak HTTP/2, see [`crate::http`]),
 //! `gpumem_scorer_bind_failures_total{kind}` (see [`super::bind::BindError::kind`]),
 //! `gpumem_scorer_ledger_reservations`, `gpumem_scorer_holds` and
-//! `gpumem_scorer_binds_past_holds_total` (see [`super::holds`]), and `gpumem_scorer_mix_pods_seen` /
+//! `gpumem_scorer_binds_past_holds_total` (see [`super::holds`]), `gpumem_scorer_binds_total{hold}` (binds
+//! by where kube-scheduler sent the pod against where `prioritize` held room for it), and `gpumem_scorer_mix_pods_seen` /
 //! `gpumem_scorer_mix_generation` (the pods the typical mix was learned from, and how often it moved:
 //! generation 0 is the configured `typicalMix`), `gpumem_scorer_dra_claims_placed_total` and
 //! `gpumem_scorer_dra_leading`, `gpumem_scorer_dra_preempted_total` (placement on the DRA path: the placer, `src/placer/`). The three cluster gauges are computed when scraped (see
@@ -46,6 +47,14 @@ pub struct KindLabel {
     pub kind: &'static str,
 }
 
+/// Where a bind went against the pod's hold: `on_hold` (the node `prioritize` ranked first),
+/// `elsewhere` (kube-scheduler's own scores chose another node), `none` (no hold: kube-scheduler skips
+/// `prioritize` when one node passes `filter`, or the hold had ended).
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct HoldLabel {
+    pub hold: &'static str,
+}
+
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ProtocolLabel {
     pub protocol: &'static str,
@@ -75,6 +84,7 @@ pub struct Metrics {
     pub ledger: Gauge,
     pub holds: Gauge,
     pub binds_past_holds: Counter,
+    pub binds: Family<HoldLabel, Counter>,
     pub cluster_fragmentation: Ratio,
     pub node_fragmentation: Family<NodeLabel, Ratio>,
     pub cluster_allocated: Ratio,
@@ -109,6 +119,7 @@ impl Metrics {
         let ledger = Gauge::default();
         let holds = Gauge::default();
         let binds_past_holds = Counter::default();
+        let binds = Family::<HoldLabel, Counter>::default();
         let cluster_fragmentation = Ratio::default();
         let node_fragmentation = Family::<NodeLabel, Ratio>::default();
         let cluster_allocated = Ratio::default();
@@ -201,6 +212,11 @@ impl Metrics {
             binds_past_holds.clone(),
         );
         registry.register(
+            "gpumem_scorer_binds",
+            "Binds received, by where kube-scheduler sent the pod against its hold (on_hold, elsewhere, none)",
+            binds.clone(),
+        );
+        registry.register(
             "gpumem_cluster_fragmentation_ratio",
             "Share of the idle GPU memory (healthy GPUs) the typical task mix cannot use, over the nodes the scorer knows",
             cluster_fragmentation.clone(),
@@ -225,6 +241,7 @@ impl Metrics {
             booking_conflicts,
             holds,
             binds_past_holds,
+            binds,
             ledger,
             cluster_fragmentation,
             node_fragmentation,
