@@ -147,6 +147,7 @@ fn default_values_render_the_expected_typed_objects() {
         "Service/\"gpumem-scorer\"",
         "PodDisruptionBudget/\"gpumem-scorer\"",
         "NetworkPolicy/\"gpumem-scorer\"",
+        "FlowSchema/\"gpumem-scorer\"",
         "ServiceAccount/\"gpumem-claims\"",
         "ClusterRole/\"gpumem-claims\"",
         "ClusterRoleBinding/\"gpumem-claims\"",
@@ -202,6 +203,35 @@ fn default_values_render_the_expected_typed_objects() {
     assert_eq!(service["spec"]["ports"][0]["targetPort"], "http");
     assert_eq!(service["spec"]["ports"][0]["port"], 8080);
     assert!(service["spec"].get("clusterIP").is_none());
+}
+
+/// The scorer's FlowSchema comes in the newest flowcontrol version the cluster serves (1.24 serves
+/// v1beta2, 1.26 to 1.31 v1beta3, 1.29+ v1), names the scorer's service account and priority level,
+/// and is left out with `scorer.priorityLevel: ""`.
+#[test]
+fn the_scorers_flow_schema_follows_the_cluster_and_the_values() {
+    let group = "flowcontrol.apiserver.k8s.io";
+    for (served, want) in [
+        (vec!["v1beta2"], "v1beta2"),
+        (vec!["v1beta2", "v1beta3"], "v1beta3"),
+        (vec!["v1beta3", "v1"], "v1"),
+        (vec![], "v1"),
+    ] {
+        let apis: Vec<String> = served.iter().map(|v| format!("{group}/{v}/FlowSchema")).collect();
+        let apis: Vec<&str> = apis.iter().map(String::as_str).collect();
+        let docs = objects_with_apis(&json!({}), &apis);
+        let fs = find(&docs, "FlowSchema", "gpumem-scorer").expect("the FlowSchema");
+        assert_eq!(fs["apiVersion"], format!("{group}/{want}"), "serving {served:?}");
+        assert_eq!(fs["spec"]["priorityLevelConfiguration"]["name"], "workload-high");
+        let subject = &fs["spec"]["rules"][0]["subjects"][0]["serviceAccount"];
+        assert_eq!(subject["name"], "gpumem-scorer");
+        assert_eq!(subject["namespace"], "gpumem-system");
+    }
+    let docs = objects(&json!({"scorer": {"priorityLevel": "global-default"}}));
+    let fs = find(&docs, "FlowSchema", "gpumem-scorer").expect("the FlowSchema");
+    assert_eq!(fs["spec"]["priorityLevelConfiguration"]["name"], "global-default");
+    let docs = objects(&json!({"scorer": {"priorityLevel": ""}}));
+    assert!(find(&docs, "FlowSchema", "gpumem-scorer").is_none());
 }
 
 #[test]

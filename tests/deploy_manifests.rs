@@ -46,6 +46,11 @@ fn generated() -> Vec<(&'static str, &'static str, Json)> {
         ),
         ("base/scorer-rbac.yaml", "templates/scorer-rbac.yaml", json!({})),
         (
+            "components/flow-schema/scorer-flowschema.yaml",
+            "templates/scorer-flowschema.yaml",
+            json!({}),
+        ),
+        (
             "base/scorer-dra-rbac.yaml",
             "templates/scorer-dra-rbac.yaml",
             json!({}),
@@ -447,6 +452,7 @@ fn overlays_build_from_files_that_exist() {
                 "ClusterRole",
                 "ClusterRoleBinding",
                 "PriorityClass",
+                "FlowSchema",
                 "CustomResourceDefinition",
                 "DeviceClass",
                 "ValidatingAdmissionPolicy",
@@ -497,7 +503,11 @@ fn only_the_dra_overlay_needs_a_newer_kubernetes() {
             .filter(|api| !SERVED_BY_1_24.contains(&api.as_str()))
             .collect();
         let want: &[&str] = if overlay == "dra" {
-            &["admissionregistration.k8s.io/v1", "resource.k8s.io/v1"]
+            &[
+                "admissionregistration.k8s.io/v1",
+                "flowcontrol.apiserver.k8s.io/v1",
+                "resource.k8s.io/v1",
+            ]
         } else {
             &[]
         };

@@ -220,15 +220,16 @@ async fn a_second_bind_of_a_pod_in_flight_is_refused_and_takes_nothing_back() {
     assert_eq!(scorer.ledger.len(), 1, "the first bind's reservation stays");
     let booked = bookings_of(&api, "n");
     assert!(booked.contains("team-a/p1"), "{booked}");
-    // kube-scheduler's retry after the first ended (filtered, so reserved before the pod is read)
-    // finds the pod bound: it takes back nothing, neither its own reservation nor the first's.
+    // kube-scheduler's retry after the first ended (filtered, so reserved and bound without reading
+    // the pod) finds the pod bound (the API server refuses its Binding): it takes back nothing,
+    // neither its own reservation nor the first's.
     let nodes = [node_json("n", &[g(16384, 12000), g(16384, 0)])];
     post_json(addr, "/filter", &args_nodes(&pods[0], &nodes)).await;
     let (_, again) = post_json(addr, "/bind", &bind_args("p1", "n")).await;
     assert!(
         again["Error"]
             .as_str()
-            .is_some_and(|e| e.contains("already bound")),
+            .is_some_and(|e| e.contains("already assigned")),
         "{again}"
     );
     assert_eq!(
@@ -239,6 +240,66 @@ async fn a_second_bind_of_a_pod_in_flight_is_refused_and_takes_nothing_back() {
     let booked = bookings_of(&api, "n");
     assert!(booked.contains("team-a/p1"), "{booked}");
     api.assert_all_granted();
+}
+
+/// A pod `filter` saw is bound without reading it again (the Binding names its UID, and the API server
+/// refuses it for a pod bound or deleted meanwhile): two requests per bind, the booking and the Binding.
+/// Its scheduler is still checked.
+#[tokio::test]
+async fn a_filtered_pod_is_bound_without_reading_it() {
+    let node = node_json("n", &[g(16384, 0)]);
+    let mut other = pod_json("p2", 4000, 0, json!({}), json!({}));
+    other["spec"]["schedulerName"] = json!("someone-else");
+    let pods = [pod_json("p1", 4000, 0, json!({}), json!({})), other];
+    let (addr, _, api) = setup(std::slice::from_ref(&node), &pods).await;
+    for pod in &pods {
+        post_json(addr, "/filter", &args_nodes(pod, std::slice::from_ref(&node))).await;
+    }
+    let (_, r) = post_json(addr, "/bind", &bind_args("p1", "n")).await;
+    assert_eq!(r["Error"], "", "{r}");
+    assert_eq!(assigned(&api, "p1").as_deref(), Some("GPU-n-0"));
+    let (_, r) = post_json(addr, "/bind", &bind_args("p2", "n")).await;
+    assert!(
+        r["Error"].as_str().is_some_and(|e| e.contains("someone-else")),
+        "{r}"
+    );
+    let pod_reads: Vec<Seen> = api
+        .seen()
+        .into_iter()
+        .filter(|s| s.method == "GET" && s.path.contains("/pods/"))
+        .collect();
+    assert!(pod_reads.is_empty(), "{pod_reads:?}");
+    let binding = api
+        .seen()
+        .into_iter()
+        .find(|s| s.method == "POST" && s.path.ends_with("/binding"))
+        .expect("the Binding");
+    assert_eq!(
+        binding.body["metadata"]["uid"], "uid-p1",
+        "the UID kube-scheduler sent"
+    );
+    api.assert_all_granted();
+}
+
+/// kube-scheduler does not call `prioritize` when one node passes `filter`: `filter` holds that node's
+/// room, and the next pod is offered the others.
+#[tokio::test]
+async fn the_only_node_a_pod_passes_is_held_by_filter() {
+    let nodes = [
+        node_json("tight", &[g(16384, 10384)]),
+        node_json("small", &[g(16384, 12384)]),
+        node_json("roomy", &[g(16384, 0)]),
+    ];
+    let pods = [
+        pod_json("p1", 16000, 0, json!({}), json!({})),
+        pod_json("p2", 5000, 0, json!({}), json!({})),
+    ];
+    let (addr, scorer, _) = setup(&nodes, &pods).await;
+    let (_, r) = post_json(addr, "/filter", &args_nodes(&pods[0], &nodes)).await;
+    assert_eq!(kept_names(&r), ["roomy"], "{r}");
+    assert_eq!(scorer.metrics.holds.get(), 1, "held by filter");
+    let (_, r) = post_json(addr, "/filter", &args_nodes(&pods[1], &nodes)).await;
+    assert_eq!(kept_names(&r), ["tight"], "roomy's room is p1's: {r}");
 }
 
 /// A bind refused for want of room wrote nothing: the next bind to the node goes on from the Lease as
@@ -292,7 +353,11 @@ async fn the_gpu_ranked_first_is_held_until_its_pods_bind() {
     let (_, r) = post_json(addr, "/bind", &bind_args("p1", "tight")).await;
     assert_eq!(r["Error"], "", "{r}");
     assert_eq!(assigned(&api, "p1").as_deref(), Some("GPU-tight-0"));
-    assert_eq!(scorer.metrics.holds.get(), 0, "the bind ends the hold");
+    assert_eq!(
+        scorer.metrics.holds.get(),
+        1,
+        "the bind ends p1's hold; p2's stays (filter kept roomy alone for it)"
+    );
     assert_eq!(binds(&scorer, "on_hold"), 1, "bound where it was held");
     assert_eq!(scorer.ledger.len(), 1, "the ledger holds the room now");
     let (_, r) = post_json(addr, "/filter", &args_nodes(&pods[1], &nodes)).await;

@@ -54,7 +54,9 @@ impl Scorer {
             }
             Ok(None) => {}
             Ok(Some(d)) => {
-                self.filtered.remember(&d);
+                if let Some(pod) = &args.pod {
+                    self.filtered.remember(&d, pod);
+                }
                 let now = k8s_openapi::jiff::Timestamp::now();
                 for (i, s) in states.iter().enumerate() {
                     if let Some(reason) = s.restarting(now) {
@@ -71,10 +73,18 @@ impl Scorer {
                     self.learn(&d, d.memory_mib(first.unit_mib));
                 }
                 let shortlist = self.config.filter_shortlist;
-                if shortlist > 0 && keep.iter().filter(|k| **k).count() > shortlist {
+                let kept = keep.iter().filter(|k| **k).count();
+                if shortlist > 0 && kept > shortlist {
                     let (ranked, first) = self.shortlist(&states, &d, shortlist, &mut keep);
                     scores = Some(ranked);
                     best = first;
+                }
+                // kube-scheduler binds a pod that one node passed without asking `prioritize`: its
+                // hold starts here, or the next pods are offered the same room before the bind.
+                if kept == 1
+                    && let Some(i) = keep.iter().position(|k| *k)
+                {
+                    self.hold_alone(&states[i], &d);
                 }
             }
         }
@@ -174,6 +184,18 @@ impl Scorer {
             .map(|r| r.as_ref().map_or(extender::MIN_EXTENDER_PRIORITY, |r| r.score))
             .collect();
         (scores, best)
+    }
+
+    /// Holds the GPU(s) `prioritize` would rank first on `node` for `demand`.
+    fn hold_alone(&self, node: &Arc<NodeSnapshot>, demand: &PodDemand) {
+        let mix = self.workload.current();
+        let one = std::slice::from_ref(node);
+        let ranked = decide::prioritize(one, demand, &self.config, &self.policy_cache, &mix);
+        if let Some(Some(r)) = ranked.first() {
+            let reservation = Reservation::of(demand, node, r.gpus);
+            self.holds.hold(&demand.uid, &node.name, reservation);
+            self.metrics.holds.set(self.holds.len() as i64);
+        }
     }
 
     /// What the last `filter` of this pod kept, if `args` lists exactly those names (see [`Kept`]).

@@ -388,7 +388,7 @@ pub fn rendered_docs(rendered: &[Rendered]) -> Vec<(String, Json)> {
 /// kind. CRDs and configuration kinds go through the strict structs below.
 pub fn check_typed(doc: &Json) -> Result<String, String> {
     use k8s_openapi::api::{
-        admissionregistration, apps, core, networking, policy, rbac, resource, scheduling,
+        admissionregistration, apps, core, flowcontrol, networking, policy, rbac, resource, scheduling,
     };
     use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions;
     let api = doc["apiVersion"].as_str().ok_or("no apiVersion")?;
@@ -410,6 +410,15 @@ pub fn check_typed(doc: &Json) -> Result<String, String> {
         "rbac.authorization.k8s.io/v1/Role" => round_trip::<rbac::v1::Role>(doc),
         "rbac.authorization.k8s.io/v1/RoleBinding" => round_trip::<rbac::v1::RoleBinding>(doc),
         "scheduling.k8s.io/v1/PriorityClass" => round_trip::<scheduling::v1::PriorityClass>(doc),
+        "flowcontrol.apiserver.k8s.io/v1/FlowSchema" => round_trip::<flowcontrol::v1::FlowSchema>(doc),
+        // Kubernetes 1.24 to 1.31 serve the same FlowSchema as v1beta2 and v1beta3, which
+        // k8s-openapi no longer has: checked as v1.
+        "flowcontrol.apiserver.k8s.io/v1beta2/FlowSchema"
+        | "flowcontrol.apiserver.k8s.io/v1beta3/FlowSchema" => {
+            let mut v1 = doc.clone();
+            v1["apiVersion"] = Json::from("flowcontrol.apiserver.k8s.io/v1");
+            round_trip::<flowcontrol::v1::FlowSchema>(&v1)
+        }
         "resource.k8s.io/v1/DeviceClass" => round_trip::<resource::v1::DeviceClass>(doc),
         "resource.k8s.io/v1/ResourceClaimTemplate" => round_trip::<resource::v1::ResourceClaimTemplate>(doc),
         "admissionregistration.k8s.io/v1/ValidatingAdmissionPolicy" => {

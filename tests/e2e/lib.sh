@@ -62,6 +62,20 @@ eventually() {
 k() { kubectl --kubeconfig "$ADMIN_KUBECONFIG" "$@"; }
 kn() { k -n "$NS" "$@"; }
 
+# apply_flow_schema BASE: the scorer's FlowSchema (BASE/scorer-flowschema.yaml, in
+# flowcontrol.apiserver.k8s.io/v1) in the newest version the cluster serves, as the chart renders it
+# (1.24 serves v1beta2; the object is the same in each).
+apply_flow_schema() {
+  local served version=""
+  served=$(k api-versions) || return 1
+  for v in v1 v1beta3 v1beta2; do
+    grep -qx "flowcontrol.apiserver.k8s.io/$v" <<< "$served" && version=$v && break
+  done
+  [ -n "$version" ] || return 1
+  sed "s|^apiVersion: flowcontrol.apiserver.k8s.io/v1$|apiVersion: flowcontrol.apiserver.k8s.io/$version|" \
+    "$1/scorer-flowschema.yaml" | k apply -f -
+}
+
 # pod_field POD JSONPATH
 pod_field() { kn get pod "$1" -o "jsonpath={$2}" 2>/dev/null; }
 
