@@ -200,7 +200,7 @@ run_cluster() {
   local base=$ROOT/deploy/manifests/base
   if ! k apply -f "$base/namespace.yaml" -f "$base/agent-rbac.yaml" -f "$base/agent-dra-rbac.yaml" -f "$base/scorer-rbac.yaml" \
     -f "$base/claims-rbac.yaml" -f "$base/gpuclaim-crd.yaml" -f "$base/priorityclasses.yaml" \
-    > "$RUN_OUT/rbac.log" 2>&1 || ! apply_flow_schema "$base" >> "$RUN_OUT/rbac.log" 2>&1; then
+    > "$RUN_OUT/rbac.log" 2>&1 || ! apply_flow_schema >> "$RUN_OUT/rbac.log" 2>&1; then
     bad "the shipped RBAC, FlowSchema and CRD apply" "$(cat "$RUN_OUT/rbac.log")"
     return
   fi

@@ -151,7 +151,7 @@ SCHEDULER_CONFIG=$RUN_OUT/scheduler.yaml EXTRA_NODES=0 "$KIT/up.sh" > "$RUN_OUT/
 }
 base=$ROOT/deploy/manifests/base
 k apply -f "$base/namespace.yaml" -f "$base/agent-rbac.yaml" -f "$base/scorer-rbac.yaml" \
-  -f "$base/priorityclasses.yaml" > "$RUN_OUT/rbac.log" 2>&1 && apply_flow_schema "$base" >> "$RUN_OUT/rbac.log" 2>&1 || {
+  -f "$base/priorityclasses.yaml" > "$RUN_OUT/rbac.log" 2>&1 && apply_flow_schema >> "$RUN_OUT/rbac.log" 2>&1 || {
   log "the shipped RBAC did not apply: $(cat "$RUN_OUT/rbac.log")"
   exit 1
 }

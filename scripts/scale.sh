@@ -173,7 +173,7 @@ run_one() {
   local base=$ROOT/deploy/manifests/base
   if ! k apply -f "$base/namespace.yaml" -f "$base/agent-rbac.yaml" -f "$base/scorer-rbac.yaml" \
     -f "$base/claims-rbac.yaml" -f "$base/gpuclaim-crd.yaml" -f "$base/priorityclasses.yaml" \
-    > "$RUN_OUT/rbac.log" 2>&1 || ! apply_flow_schema "$base" >> "$RUN_OUT/rbac.log" 2>&1; then
+    > "$RUN_OUT/rbac.log" 2>&1 || ! apply_flow_schema >> "$RUN_OUT/rbac.log" 2>&1; then
     log "the shipped RBAC did not apply: $(cat "$RUN_OUT/rbac.log")"
     return 1
   fi

@@ -62,7 +62,7 @@ eventually() {
 k() { kubectl --kubeconfig "$ADMIN_KUBECONFIG" "$@"; }
 kn() { k -n "$NS" "$@"; }
 
-# apply_flow_schema BASE: the scorer's FlowSchema (BASE/scorer-flowschema.yaml, in
+# apply_flow_schema: the scorer's FlowSchema (deploy/manifests/components/flow-schema, in
 # flowcontrol.apiserver.k8s.io/v1) in the newest version the cluster serves, as the chart renders it
 # (1.24 serves v1beta2; the object is the same in each).
 apply_flow_schema() {
@@ -73,7 +73,7 @@ apply_flow_schema() {
   done
   [ -n "$version" ] || return 1
   sed "s|^apiVersion: flowcontrol.apiserver.k8s.io/v1$|apiVersion: flowcontrol.apiserver.k8s.io/$version|" \
-    "$1/scorer-flowschema.yaml" | k apply -f -
+    "$ROOT/deploy/manifests/components/flow-schema/scorer-flowschema.yaml" | k apply -f -
 }
 
 # pod_field POD JSONPATH
