@@ -4,6 +4,7 @@
 
 mod scorer_support;
 
+use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -368,6 +369,38 @@ async fn the_gpu_ranked_first_is_held_until_its_pods_bind() {
 /// The scorer's count of binds by where they went against the pod's hold.
 fn binds(scorer: &Scorer, hold: &'static str) -> u64 {
     scorer.metrics.binds.get_or_create(&HoldLabel { hold }).get()
+}
+
+/// A bind waiting for its node's turn (another bind is writing the node's Lease) keeps its pod's hold
+/// until its room is in the ledger: the next pod's `filter` meanwhile does not see that room free.
+#[tokio::test]
+async fn a_hold_stands_while_its_bind_waits_for_the_nodes_turn() {
+    // Two GPUs with 6000 MiB free each: room for two 5000 MiB pods, not three.
+    let node = node_json("n", &[g(16384, 10384), g(16384, 10384)]);
+    let pods = [
+        pod_json("p1", 5000, 0, json!({}), json!({})),
+        pod_json("p2", 5000, 0, json!({}), json!({})),
+        pod_json("p3", 5000, 0, json!({}), json!({})),
+    ];
+    let (addr, scorer, api) = setup(std::slice::from_ref(&node), &pods).await;
+    let one = std::slice::from_ref(&node);
+    post_json(addr, "/prioritize", &args_nodes(&pods[1], one)).await;
+    assert_eq!(scorer.metrics.holds.get(), 1, "p2 holds a GPU");
+    *api.lease_write_delay.lock().expect("lock") = Duration::from_millis(600);
+    let first = tokio::spawn(async move { post_json(addr, "/bind", &bind_args("p1", "n")).await });
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    let second = tokio::spawn(async move { post_json(addr, "/bind", &bind_args("p2", "n")).await });
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    // p1 reserved the other GPU and writes the Lease; p2 waits for its turn.
+    let (_, r) = post_json(addr, "/filter", &args_nodes(&pods[2], one)).await;
+    assert!(kept_names(&r).is_empty(), "both GPUs are spoken for: {r}");
+    let (_, first) = first.await.expect("p1's bind");
+    let (_, second) = second.await.expect("p2's bind");
+    assert_eq!(first["Error"], "", "{first}");
+    assert_eq!(second["Error"], "", "{second}");
+    let gpus: BTreeSet<String> = ["p1", "p2"].iter().filter_map(|p| assigned(&api, p)).collect();
+    assert_eq!(gpus.len(), 2, "one GPU each: {gpus:?}");
+    assert_eq!(scorer.metrics.holds.get(), 0);
 }
 
 /// Among equal nodes kube-scheduler would pick at random, and mostly not the one holding the pod's

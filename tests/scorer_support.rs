@@ -284,6 +284,8 @@ pub struct FakeApi {
     pub pod_get_delay: Mutex<Duration>,
     /// Pods whose binding POST fails with 409.
     pub refuse_binding: Mutex<Vec<String>>,
+    /// Delay before answering a write of a Lease (a bind holding its node's turn for a while).
+    pub lease_write_delay: Mutex<Duration>,
     /// Leases by `namespace/name`, and the last resourceVersion given out.
     leases: Mutex<(BTreeMap<String, Value>, u64)>,
     /// The first this many GETs of a Lease are each answered with the Lease as it was when it arrived,
@@ -305,6 +307,7 @@ impl Default for FakeApi {
             binding_delay: Mutex::default(),
             pod_get_delay: Mutex::default(),
             refuse_binding: Mutex::default(),
+            lease_write_delay: Mutex::default(),
             leases: Mutex::default(),
             lease_gets_together: Mutex::default(),
             lease_gets_arrived: tokio::sync::watch::Sender::new(0),
@@ -533,6 +536,8 @@ impl FakeApi {
             // As the real one: a create of an existing name is AlreadyExists (409), an update must carry
             // the stored resourceVersion (else Conflict, 409); each write gives out a new one.
             ("POST", ["apis", "coordination.k8s.io", "v1", "namespaces", ns, "leases"]) => {
+                let delay = *self.lease_write_delay.lock().expect("lock");
+                tokio::time::sleep(delay).await;
                 let name = body["metadata"]["name"].as_str().unwrap_or("").to_string();
                 let mut leases = self.leases.lock().expect("lock");
                 let key = format!("{ns}/{name}");
@@ -562,6 +567,8 @@ impl FakeApi {
                     name,
                 ],
             ) => {
+                let delay = *self.lease_write_delay.lock().expect("lock");
+                tokio::time::sleep(delay).await;
                 let mut leases = self.leases.lock().expect("lock");
                 let key = format!("{ns}/{name}");
                 let Some(stored) = leases.0.get(&key) else {

@@ -69,6 +69,11 @@ impl GpuHolds {
         self.lock().remove(uid)
     }
 
+    /// The node the pod with `uid` holds room on, if any.
+    pub fn node_of(&self, uid: &str) -> Option<String> {
+        self.lock().node_of.get(uid).cloned()
+    }
+
     /// Takes the live holds on `node` out of its free memory, except the hold of the pod with
     /// `except_uid` (a pod's own choice is not in its way). Returns how many holds were applied.
     pub fn apply(&self, node: &mut NodeSnapshot, except_uid: &str) -> usize {

@@ -207,10 +207,13 @@ EOF
 # scheduler_config: the project's configuration for the default scheduler (v1beta3 for the kit's 1.24,
 # v1 for 1.36), with what differs on this machine: the kubeconfig, no leader election, the scorer's local
 # address, the directory of the certificates (its tlsConfig, serverName included, is the shipped one).
+# SCHEDULER_KUBECONFIG: the kit's admin (system:masters, exempt from API Priority and Fairness) unless
+# the script sets it; `${K8S_STATE}` in it is the kit's to substitute.
+SCHEDULER_KUBECONFIG=${SCHEDULER_KUBECONFIG:-'${K8S_STATE}/admin.kubeconfig'}
 scheduler_config() {
   local shipped=kube-scheduler-config.yaml
   [ "${K8S_VERSION:-1.24}" != 1.24 ] || shipped=kube-scheduler-config.v1beta3.yaml
-  sed -e 's|^  kubeconfig: .*|  kubeconfig: ${K8S_STATE}/admin.kubeconfig|' \
+  sed -e "s|^  kubeconfig: .*|  kubeconfig: $SCHEDULER_KUBECONFIG|" \
     -e 's|^  leaderElect: true|  leaderElect: false|' \
     -e "s|^  - urlPrefix: https://.*|  - urlPrefix: https://$SCORER_TLS_ADDR|" \
     -e "s|: /etc/kubernetes/gpumem/|: $CERTS/|" \
