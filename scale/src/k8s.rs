@@ -19,7 +19,7 @@ use kube::{Api, Client};
 use serde_json::json;
 
 use crate::mix::{self, NodeShape, Select as _, Shape};
-use crate::played::NodeModel;
+use crate::played::{DRA_DRIVER, MEM_UNIT_MIB, NodeModel};
 use crate::trace::Size;
 
 /// The taint on the scale nodes, and the label that selects them.
@@ -36,8 +36,6 @@ pub const LEASE_SECONDS: i32 = 40;
 pub const LEASE_RENEW: Duration = Duration::from_secs(10);
 /// The agent's field manager: the played agent owns the same fields the agent would.
 pub const AGENT_FIELD_MANAGER: &str = gpumem::agent::apiserver::FIELD_MANAGER;
-/// Memory unit of `nvidia.com/gpu-mem` (the agent's default).
-pub const MEM_UNIT_MIB: u64 = 1;
 
 pub fn node_name(i: usize) -> String {
     format!("scale-node-{i:04}")
@@ -525,8 +523,6 @@ pub fn failure(pod: &Pod) -> Option<String> {
     ))
 }
 
-/// The DRA driver's name, as the agent publishes it (the chart's default `dra.driverName`).
-pub const DRA_DRIVER: &str = "gpumem.io";
 /// The DeviceClass claims name (the chart's `gpu.<driverName>`).
 pub const DRA_CLASS: &str = "gpu.gpumem.io";
 

@@ -9,7 +9,7 @@ pub use gpumem::sim::realistic::{
     T4_PRODUCT, ZONE_LABEL, node_shapes,
 };
 
-use crate::played::NodeModel;
+use crate::played::{DRA_DRIVER, MEM_UNIT_MIB, NodeModel};
 
 /// How a pod's model choice reads on each path.
 pub trait Select {
@@ -25,7 +25,7 @@ impl Select for Model {
     /// The CEL selector of a claim's request on the DRA path, on the attribute and capacity the
     /// agent's ResourceSlice publishes (`node::slice::resource_slice_spec`).
     fn cel(self) -> String {
-        let driver = crate::k8s::DRA_DRIVER;
+        let driver = DRA_DRIVER;
         match self {
             Model::T4 => format!(r#"device.attributes["{driver}"].productName == "{T4_PRODUCT}""#),
             Model::Large => format!(
@@ -80,7 +80,7 @@ pub fn unservable(models: &[&NodeModel], dra: bool) -> Vec<Model> {
                         .iter()
                         .any(|g| m.admits_gpu(&g.product, g.memory_mib))
                 } else {
-                    m.admits_node(&gpumem::node::labels(&n.inventory, crate::k8s::MEM_UNIT_MIB))
+                    m.admits_node(&gpumem::node::labels(&n.inventory, MEM_UNIT_MIB))
                 }
             })
         })
@@ -110,7 +110,7 @@ mod tests {
         let spec = gpumem::node::slice::resource_slice_spec(
             &m.inventory,
             &gpumem::node::slice::SliceInputs {
-                driver: crate::k8s::DRA_DRIVER,
+                driver: DRA_DRIVER,
                 node: "n",
                 unit_mib: 1,
                 healthy: &[true; 4],

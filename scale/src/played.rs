@@ -21,6 +21,11 @@ use gpumem::node::{GpuMode, TopologyAnnotation, UsageAnnotation};
 
 use crate::trace::Size;
 
+/// Memory unit of `nvidia.com/gpu-mem` (the agent's default).
+pub const MEM_UNIT_MIB: u64 = 1;
+/// The DRA driver's name, as the agent publishes it (the chart's default `dra.driverName`).
+pub const DRA_DRIVER: &str = "gpumem.io";
+
 /// What a node's GPUs are: shared by all nodes of one profile.
 pub struct NodeModel {
     pub profile: String,
@@ -42,7 +47,7 @@ impl NodeModel {
     pub fn new(profile: &str, inventory: GpuInventory) -> Self {
         let scores = PairScores::of(&inventory);
         let by_uuid = inventory.positions_by_uuid();
-        let topology = TopologyAnnotation::new(&inventory, crate::k8s::MEM_UNIT_MIB, |_| true);
+        let topology = TopologyAnnotation::new(&inventory, MEM_UNIT_MIB, |_| true);
         Self {
             profile: profile.to_string(),
             topology,
