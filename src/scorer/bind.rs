@@ -212,9 +212,7 @@ impl Scorer {
     /// booking beats this one ([`super::bookings`]).
     async fn reserve(&self, d: &PodDemand, node_name: &str) -> Result<Reservation, BindError> {
         let Some(board) = &self.board else {
-            let r = self.reserve_with(d, node_name, &[]).await;
-            self.holds.release(&d.uid);
-            return r;
+            return self.reserve_with(d, node_name, &[]).await;
         };
         let mut turn = board.turn(node_name).await;
         for attempt in 1..=bookings::ATTEMPTS {
@@ -227,10 +225,7 @@ impl Scorer {
             // Only live bookings count, in the choice as in what is written back: one whose pod has
             // gone (a pod deleted within the TTL) must not hold room.
             let mut keep = self.live_bookings(node_name, &read.bookings, &d.key);
-            let r = self.reserve_with(d, node_name, &keep).await;
-            // Reserved in the ledger (or refused): the pod's hold is done.
-            self.holds.release(&d.uid);
-            let r = match r {
+            let r = match self.reserve_with(d, node_name, &keep).await {
                 Ok(r) => r,
                 Err(e) => {
                     // Nothing written: the next bind to this node starts from the Lease as read.
@@ -423,6 +418,8 @@ impl Scorer {
                 r
             })
         };
+        // The room is in the ledger now (or refused): the pod's own hold is done.
+        self.holds.release(&d.uid);
         // Decided: the pod counts in the learned mix from the next decision on.
         self.learn(d, d.memory_mib(node.unit_mib));
         if let Ok(r) = &r {
@@ -451,8 +448,8 @@ impl Scorer {
                 args.pod_name
             ))
         })?;
-        // The pod's own hold ends once the bind has reserved its room in the ledger (`reserve`), or
-        // with the bind: released at the start, it left the room free to the next pods' filters while
+        // The pod's own hold ends once the bind has reserved its room in the ledger (`reserve_with`),
+        // or with the bind: released at the start, it left the room free to the next pods' filters while
         // the bind waited for its node's turn (at 1000 nodes, 18 % of binds then found it taken).
         let _hold = HoldEnds(&self.holds, &args.pod_uid);
         let hold = match self.holds.node_of(&args.pod_uid) {

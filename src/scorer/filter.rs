@@ -192,10 +192,14 @@ impl Scorer {
         let one = std::slice::from_ref(node);
         let ranked = decide::prioritize(one, demand, &self.config, &self.policy_cache, &mix);
         if let Some(Some(r)) = ranked.first() {
-            let reservation = Reservation::of(demand, node, r.gpus);
-            self.holds.hold(&demand.uid, &node.name, reservation);
-            self.metrics.holds.set(self.holds.len() as i64);
+            self.hold(&demand.uid, &node.name, Reservation::of(demand, node, r.gpus));
         }
+    }
+
+    /// Holds `r` on `node` for the pod with `uid` (see [`super::holds`]), and counts the holds.
+    fn hold(&self, uid: &str, node: &str, r: Reservation) {
+        self.holds.hold(uid, node, r);
+        self.metrics.holds.set(self.holds.len() as i64);
     }
 
     /// What the last `filter` of this pod kept, if `args` lists exactly those names (see [`Kept`]).
@@ -246,8 +250,7 @@ impl Scorer {
                 single_out(&mut scores, at);
             }
             if let Some(uid) = pod_uid(args.pod.as_ref()) {
-                self.holds.hold(&uid, &node, r);
-                self.metrics.holds.set(self.holds.len() as i64);
+                self.hold(&uid, &node, r);
             }
         }
         // Named as `candidates` chose the states: from `Nodes` when given (even if `NodeNames` is
